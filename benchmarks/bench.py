@@ -1,0 +1,819 @@
+"""Hidden-state extraction speed and memory: plain vLLM, ours, upstream vLLM, HF transformers.
+
+Each variant runs in a fresh child process (``bench.py --worker SPEC.json``) so engines never
+share GPU memory; the parent tees the child's output (and the vLLM engine core's, which
+inherits it) to a log, reads vLLM's KV cache lines from it, and merges the child's records
+into one results JSON. A child that fails or times out leaves an error record, not a crash.
+
+    python benchmarks/bench.py --shape 27b --variants plain,ours --workloads 128x1024 --eager \\
+        --out-dir /dev/shm/hs --results benchmarks/results/h200.json
+    python benchmarks/report.py benchmarks/results/h200.json --md benchmarks/results/README-table.md
+
+Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), upstream (vLLM's
+            ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch size).
+Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,
+            max_tokens=1), mixed-outK (the same prompts, K generated tokens with
+            include_output_tokens). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE_CONFIG = os.path.join(HERE, "qwen3.6-27b-config.json")
+
+# Text-model shapes. "27b" is the published Qwen3.6-27B config; "4b" halves hidden size, layers
+# and every head count (head dims unchanged): about 3.0B non-embedding + 1.3B embedding params,
+# not a released checkpoint. "tiny" is a smoke test. Full attention is every 4th layer.
+SHAPES = {
+    "27b": {},
+    "4b": dict(
+        hidden_size=2560,
+        num_hidden_layers=32,
+        intermediate_size=8704,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        linear_num_key_heads=8,
+        linear_num_value_heads=24,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=8,
+        intermediate_size=512,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+}
+# Layer ids to extract (k = residual stream after k decoder layers). 64 layers: speculators'
+# EAGLE-3 style spread; 32 layers: the same positions halved.
+DEFAULT_LAYERS = {64: [1, 16, 31, 46, 61, 64], 32: [1, 8, 16, 23, 31, 32], 8: [1, 2, 4, 6, 7, 8]}
+
+VARIANTS = ("plain", "ours", "upstream", "hf")
+CONNECTORS = {"ours": "HybridHiddenStatesConnector", "upstream": "ExampleHiddenStatesConnector"}
+
+# The mixed workload: prompt lengths ~ lognormal(mu, sigma) tokens, clipped, fixed seed.
+MIXED_N, MIXED_MU, MIXED_SIGMA, MIXED_CLIP = 256, 6.93, 1.0, (16, 8192)  # median e^6.93 ~ 1024
+WARMUP_PROMPTS = 8
+TOKEN_RANGE = (1000, 150000)  # random prompt ids, clear of special and image/video token ids
+KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
+KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+# ---------------------------------------------------------------------------------------------
+# Model folders and workloads (CPU only)
+
+
+def model_config(shape: str) -> dict:
+    with open(REFERENCE_CONFIG) as f:
+        cfg = json.load(f)
+    cfg.pop("_comment", None)
+    text = cfg["text_config"]
+    text.update(SHAPES[shape])
+    n = text["num_hidden_layers"]
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(n)
+    ]
+    cfg["vision_config"]["out_hidden_size"] = text["hidden_size"]
+    return cfg
+
+
+def write_model_dir(root: str, shape: str) -> str:
+    """A model folder with config.json only: enough for load_format="dummy"."""
+    path = os.path.join(root, f"qwen3.6-{shape}-dummy")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model_config(shape), f, indent=1)
+    return path
+
+
+def model_summary(shape: str) -> dict:
+    """The text-model numbers report.py needs for the FLOPs/roofline formula."""
+    t = model_config(shape)["text_config"]
+    out = {k: v for k, v in t.items() if not isinstance(v, (list, dict, str))}
+    out["num_full_attention_layers"] = t["layer_types"].count("full_attention")
+    out["num_linear_attention_layers"] = t["layer_types"].count("linear_attention")
+    return out
+
+
+@dataclass
+class Workload:
+    name: str
+    lengths: list[int]
+    output_tokens: int = 0  # 0: prefill only (max_tokens=1); K: K tokens, include_output_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.output_tokens, 1)
+
+    def stats(self) -> dict:
+        # Tokens that go through a forward pass: the prompt, plus all generated tokens but
+        # the last. attn_ctx_mean: keys an average such token attends to (report.py's FLOPs).
+        seen = [n + max(self.output_tokens - 1, 0) for n in self.lengths]
+        return dict(
+            workload=self.name,
+            num_requests=len(self.lengths),
+            prompt_tokens=sum(self.lengths),
+            output_tokens_requested=self.output_tokens,
+            processed_tokens=sum(seen),
+            mean_len=round(statistics.mean(self.lengths), 1),
+            median_len=statistics.median(self.lengths),
+            min_len=min(self.lengths),
+            max_len=max(self.lengths),
+            attn_ctx_mean=round(sum(t * (t + 1) / 2 for t in seen) / sum(seen), 1),
+        )
+
+
+def make_workload(name: str, seed: int) -> Workload:
+    m = re.fullmatch(r"(\d+)x(\d+)", name)
+    if m:
+        return Workload(name, [int(m[2])] * int(m[1]))
+    m = re.fullmatch(r"mixed(?:-out(\d+))?", name)
+    if m:
+        rng = random.Random(f"mixed:{seed}")
+        lo, hi = MIXED_CLIP
+        lengths = [
+            min(hi, max(lo, round(rng.lognormvariate(MIXED_MU, MIXED_SIGMA))))
+            for _ in range(MIXED_N)
+        ]
+        return Workload(name, lengths, int(m[1] or 0))
+    raise ValueError(f"unknown workload {name!r}: use NxL (e.g. 128x1024), mixed or mixed-outK")
+
+
+def prompt_ids(w: Workload, seed: int) -> list[list[int]]:
+    base = "mixed" if w.name.startswith("mixed") else w.name
+    rng = random.Random(f"tokens:{base}:{seed}")
+    return [[rng.randrange(*TOKEN_RANGE) for _ in range(n)] for n in w.lengths]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the parent and the workers
+
+
+def gpu_index() -> str:
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return first if first.isdigit() else "0"
+
+
+def nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                f"--query-gpu={field}",
+                "--format=csv,noheader,nounits",
+                "-i",
+                gpu_index(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
+        return out or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_mem_used_mib() -> int | None:
+    out = nvidia_smi("memory.used")
+    return int(out) if out and out.isdigit() else None
+
+
+class GpuMemPoller(threading.Thread):
+    """Max of nvidia-smi memory.used (whole GPU, all processes) between take() calls."""
+
+    def __init__(self, interval: float = 0.2):
+        super().__init__(daemon=True)
+        self.interval, self.peak, self.stopped = interval, None, False
+
+    def run(self) -> None:
+        while not self.stopped:
+            used = gpu_mem_used_mib()
+            if used is None:
+                return  # no nvidia-smi: peaks stay None
+            self.peak = used if self.peak is None else max(self.peak, used)
+            time.sleep(self.interval)
+
+    def take(self) -> int | None:
+        peak, self.peak = self.peak, None
+        return peak
+
+
+def dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def versions() -> dict:
+    return dict(
+        vllm=dist_version("vllm"),
+        torch=dist_version("torch"),
+        transformers=dist_version("transformers"),
+        fla=dist_version("flash-linear-attention", "fla-core"),
+        vllm_gdn_hs=dist_version("vllm-gdn-hs"),
+        safetensors=dist_version("safetensors"),
+        python=sys.version.split()[0],
+    )
+
+
+def fs_type(path: str) -> str | None:
+    """Filesystem type of the mount holding path (tmpfs for /dev/shm), from /proc/mounts."""
+    path, best, fstype = os.path.realpath(path), "", None
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mnt, typ = line.split()[1:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, fstype = mnt, typ
+    except OSError:
+        pass
+    return fstype
+
+
+def reset_dir(path: str) -> None:
+    """Empty path but keep the folder itself: a connector may have created it only once."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.remove(p)
+
+
+def dir_bytes(path: str) -> tuple[int, int]:
+    """(bytes, number of .safetensors files) under path."""
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            total += os.path.getsize(os.path.join(root, name))
+            files += name.endswith(".safetensors")
+    return total, files
+
+
+def write_finished(path: str) -> bool:
+    """True once path exists and no writer holds ``<path>.lock`` (as speculators' reader)."""
+    if not os.path.exists(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # also releases our lock
+
+
+def drain(out_dir: str, outputs, expected: int, timeout: float) -> float:
+    """Seconds until every expected hidden-state file exists and is unlocked."""
+    paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
+    paths = [p if os.path.isabs(p) else os.path.join(out_dir, p) for p in paths if p]
+    t0, done = time.perf_counter(), set()
+    while True:
+        if len(paths) < expected:  # the connector returned no paths: count what is there
+            paths = [
+                os.path.join(root, n)
+                for root, _, names in os.walk(out_dir)
+                for n in names
+                if n.endswith(".safetensors")
+            ]
+        done.update(p for p in paths if p not in done and write_finished(p))
+        if len(done) >= expected:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(
+                f"{len(done)} of {expected} hidden-state files finished after {timeout:.0f} s "
+                f"in {out_dir}: raise --drain-timeout or check the connector's log"
+            )
+        time.sleep(0.005)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (one process per variant)
+
+
+def engine_kwargs(spec: dict) -> dict:
+    kw = dict(
+        model=spec["model_dir"],
+        load_format="dummy",
+        language_model_only=True,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=spec["eager"],
+        additional_config={"gdn_prefill_backend": "triton"},
+        enable_prefix_caching=False,
+        max_model_len=spec["max_model_len"],
+        gpu_memory_utilization=spec["gpu_memory_utilization"],
+        seed=0,
+    )
+    connector = CONNECTORS.get(spec["variant"])
+    if connector:
+        kw["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": spec["layers"]}
+            },
+        }
+        kw["kv_transfer_config"] = {
+            "kv_connector": connector,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": spec["out_dir"]},
+        }
+    kw.update(spec["extra_engine_kwargs"])
+    return kw
+
+
+def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = engine_kwargs(spec)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = dict(startup_s=round(time.perf_counter() - t0, 1), startup_peak_gpu_mib=poller.take())
+    connector = spec["variant"] in CONNECTORS
+    out_dir = spec["out_dir"]
+    for name in spec["workloads"]:
+        w = make_workload(name, spec["seed"])
+        rec = dict(w.stats(), **startup, engine_kwargs=kwargs)
+        try:
+            prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(w, spec["seed"])]
+            extra = None
+            if w.output_tokens and connector:
+                extra = {"kv_transfer_params": {"include_output_tokens": True}}
+            sp = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
+            warm = SamplingParams(
+                max_tokens=min(w.max_tokens, 8), ignore_eos=True, extra_args=extra
+            )
+            rec["sampling"] = dict(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
+            reset_dir(out_dir)
+            outs = llm.generate(prompts[:WARMUP_PROMPTS], warm, use_tqdm=False)
+            if connector:
+                drain(out_dir, outs, len(outs), spec["drain_timeout"])
+            reset_dir(out_dir)
+            poller.take()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            gen_s = time.perf_counter() - t0
+            drain_s = drain(out_dir, outs, len(outs), spec["drain_timeout"]) if connector else 0.0
+            nbytes, nfiles = dir_bytes(out_dir)
+            rec.update(
+                gen_s=round(gen_s, 3),
+                drain_s=round(drain_s, 3),
+                output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+                files=nfiles,
+                bytes_written=nbytes,
+                peak_gpu_mib=poller.take(),
+            )
+        except Exception:
+            rec["error"] = traceback.format_exc(limit=-3)
+        emit(rec)
+        reset_dir(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
+    """transformers forward with hooks on the chosen layers; saves upstream's file format."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        import fla  # noqa: F401  (transformers picks up fla's GDN kernels when importable)
+
+        fla_ok = True
+    except Exception:
+        fla_ok = False
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    cfg = AutoConfig.from_pretrained(spec["model_dir"])
+    cfg = getattr(cfg, "text_config", cfg)
+    with torch.device(dev):
+        model = AutoModel.from_config(cfg, dtype=torch.bfloat16).eval()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    startup = dict(
+        startup_s=round(time.perf_counter() - t0, 1),
+        startup_peak_gpu_mib=poller.take(),
+        fla_available=fla_ok,
+        device=dev,
+    )
+
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(k):
+        def fn(module, inputs, output):
+            captured[k] = output[0] if isinstance(output, tuple) else output
+
+        return fn
+
+    for k in spec["layers"]:  # id 0 is the embeddings, id k the output of decoder layer k-1
+        (model.embed_tokens if k == 0 else model.layers[k - 1]).register_forward_hook(hook(k))
+
+    pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hf-hs-save")
+    out_dir = spec["out_dir"]
+
+    def run_batch(ids: list[list[int]], names: list[str] | None) -> list:
+        # Right padding needs no attention mask: causal attention and the GDN recurrence never
+        # let a real token see the padding after it.
+        x = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
+        for j, seq in enumerate(ids):
+            x[j, : len(seq)] = torch.tensor(seq)
+        with torch.inference_mode():
+            model(input_ids=x.to(dev), use_cache=False)
+            hs = torch.stack([captured[k] for k in spec["layers"]], dim=2).cpu()  # B,T,layers,H
+        captured.clear()
+        if names is None:
+            return []
+        return [
+            pool.submit(
+                save_file,
+                {"hidden_states": hs[j, : len(seq)], "token_ids": torch.tensor(seq)},
+                os.path.join(out_dir, n),
+            )
+            for j, (seq, n) in enumerate(zip(ids, names, strict=True))
+        ]
+
+    for name in spec["workloads"]:
+        w = make_workload(name, spec["seed"])
+        all_ids = prompt_ids(w, spec["seed"])
+        order = sorted(range(len(all_ids)), key=lambda i: -len(all_ids[i]))  # least padding
+        for bs in spec["hf_batch_sizes"]:
+            rec = dict(w.stats(), **startup, batch_size=bs)
+            if w.output_tokens:
+                rec["error"] = "skipped: the hf variant measures prefill-only workloads"
+                emit(rec)
+                break
+            try:
+                batches = [order[i : i + bs] for i in range(0, len(order), bs)]
+                reset_dir(out_dir)
+                run_batch([all_ids[i] for i in batches[0]], None)  # warm-up: largest batch
+                if dev == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                poller.take()
+                t0 = time.perf_counter()
+                futures = []
+                for b in batches:
+                    names = [f"req-{i}.safetensors" for i in b]
+                    futures += run_batch([all_ids[i] for i in b], names)
+                gen_s = time.perf_counter() - t0
+                for f in futures:
+                    f.result()
+                drain_s = time.perf_counter() - t0 - gen_s
+                nbytes, nfiles = dir_bytes(out_dir)
+                rec.update(
+                    gen_s=round(gen_s, 3),
+                    drain_s=round(drain_s, 3),
+                    output_tokens=0,
+                    padded_tokens=sum(len(b) * len(all_ids[b[0]]) for b in batches),
+                    files=nfiles,
+                    bytes_written=nbytes,
+                    peak_gpu_mib=poller.take(),
+                    torch_peak_mib=torch.cuda.max_memory_allocated() // 2**20
+                    if dev == "cuda"
+                    else None,
+                )
+            except Exception:
+                rec["error"] = traceback.format_exc(limit=-3)
+            captured.clear()
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            emit(rec)
+            reset_dir(out_dir)
+    pool.shutdown()
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def worker_main(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    records: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        tmp = spec["result_file"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(records, f, indent=1)
+        os.replace(tmp, spec["result_file"])  # the parent keeps what was done before a timeout
+        msg = rec.get("error", "").strip().splitlines()[-1:] or [
+            f"{rec['prompt_tokens'] / rec['gen_s']:,.0f} prompt tok/s, drain {rec['drain_s']} s"
+        ]
+        print(
+            f"[bench] {spec['variant']} {rec['workload']} bs={rec.get('batch_size', '-')}: "
+            f"{msg[0]}",
+            flush=True,
+        )
+
+    poller = GpuMemPoller()
+    poller.start()
+    try:
+        (run_hf if spec["variant"] == "hf" else run_vllm)(spec, emit, poller)
+    except Exception:  # startup failed: one error record per workload not yet measured
+        err = traceback.format_exc(limit=-3)
+        done = {r["workload"] for r in records}
+        for name in spec["workloads"]:
+            if name not in done:
+                emit(dict(make_workload(name, spec["seed"]).stats(), error=err))
+        return 1
+    finally:
+        poller.stopped = True
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent
+
+
+def run_child(cmd: list[str], log_path: str, timeout: float, env: dict) -> tuple[int | None, str]:
+    """Run cmd in its own process group, tee its output to log_path; kill the group on timeout."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+        errors="replace",
+    )
+
+    def tee() -> None:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                sys.stdout.write(line)
+
+    reader = threading.Thread(target=tee, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    try:  # the child and whatever it left behind (the engine core), by our group id
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    reader.join(timeout=30)
+    with open(log_path, errors="replace") as f:
+        return rc, ANSI_RE.sub("", f.read())
+
+
+def wait_gpu_released(limit_mib: int = 4096, timeout: float = 60) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        used = gpu_mem_used_mib()
+        if used is None or used < limit_mib:
+            return
+        time.sleep(1)
+    print(f"[bench] warning: {gpu_mem_used_mib()} MiB still in use on the GPU", flush=True)
+
+
+def kv_cache_info(log: str) -> dict:
+    size, conc = KV_SIZE_RE.findall(log), KV_CONC_RE.findall(log)
+    return dict(
+        kv_cache_tokens=int(size[-1].replace(",", "")) if size else None,
+        max_concurrency=float(conc[-1][1]) if conc else None,
+    )
+
+
+def merge_results(path: str, new: list[dict]) -> None:
+    records = []
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        records = data["records"] if isinstance(data, dict) else data
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"records": records + new}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--shape", choices=sorted(SHAPES), default="27b")
+    p.add_argument("--variants", default="plain,ours", help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument(
+        "--workloads",
+        default="128x1024",
+        help="comma list: NxL (e.g. 128x1024,32x8192), mixed, mixed-out256",
+    )
+    p.add_argument(
+        "--layers",
+        help="comma list of layer ids (default: by layer count: "
+        + "; ".join(f"{n} layers {v}" for n, v in DEFAULT_LAYERS.items())
+        + ")",
+    )
+    p.add_argument("--eager", action="store_true", help="enforce_eager=True (default: cudagraph)")
+    p.add_argument(
+        "--out-dir",
+        default="/dev/shm/hs",
+        help="where hidden states are written, one sub-folder per variant "
+        "(emptied between workloads): /dev/shm for the pipeline, a disk folder for "
+        "what a user gets",
+    )
+    p.add_argument(
+        "--results",
+        default=os.path.join(HERE, "results", "h200.json"),
+        help="results JSON; new records are appended",
+    )
+    p.add_argument("--log-dir", default="/tmp/vllm_gdn_hs_bench/logs")
+    p.add_argument("--model-root", default="/tmp/vllm_gdn_hs_bench/models")
+    p.add_argument("--max-model-len", type=int, default=8448, help="8192 prompt + 256 output")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--hf-batch-sizes", default="1,4,8,16")
+    p.add_argument(
+        "--extra-engine-kwargs",
+        default="{}",
+        help="JSON object merged into LLM(...) for the vLLM variants, "
+        """e.g. '{"max_num_seqs": 512}'""",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=540, help="hard limit per variant, seconds")
+    p.add_argument("--drain-timeout", type=float, default=300)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write the model folder, print workloads and child commands, run nothing",
+    )
+    p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad or not args.variants:
+        p.error(f"unknown variants {bad}: choose from {','.join(VARIANTS)}")
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in args.workloads:
+        try:
+            make_workload(w, args.seed)
+        except ValueError as e:
+            p.error(str(e))
+    n = model_config(args.shape)["text_config"]["num_hidden_layers"]
+    if args.layers:
+        args.layers = [int(x) for x in args.layers.split(",")]
+    elif n in DEFAULT_LAYERS:
+        args.layers = DEFAULT_LAYERS[n]
+    else:
+        p.error(f"no default layer ids for {n} layers: pass --layers")
+    if not all(0 <= k <= n for k in args.layers):
+        p.error(f"--layers must lie in 0..{n} for the {args.shape} shape ({n} layers)")
+    args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
+    try:
+        args.extra_engine_kwargs = dict(json.loads(args.extra_engine_kwargs))
+    except (ValueError, TypeError) as e:
+        p.error(f"--extra-engine-kwargs must be a JSON object: {e}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    model_dir = write_model_dir(args.model_root, args.shape)
+    os.makedirs(args.log_dir, exist_ok=True)
+    mode = "eager" if args.eager else "cudagraph"
+    common = dict(
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        gpu=nvidia_smi("name") or "none",
+        versions=versions(),
+        shape=args.shape,
+        model=model_summary(args.shape),
+        layers=args.layers,
+        write_target="tmpfs" if fs_type(args.out_dir) == "tmpfs" else "disk",
+        out_dir=args.out_dir,
+        out_fs=fs_type(args.out_dir),
+    )
+    print(f"[bench] {common['gpu']}, {common['versions']}, model folder {model_dir}")
+    for name in args.workloads:
+        s = make_workload(name, args.seed).stats()
+        print(
+            f"[bench] workload {name}: {s['num_requests']} requests, {s['prompt_tokens']:,} "
+            f"prompt tokens, mean {s['mean_len']}, median {s['median_len']}, "
+            f"min {s['min_len']}, max {s['max_len']}, "
+            f"{s['output_tokens_requested']} output tokens"
+        )
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
+    tmpdir = tempfile.mkdtemp(prefix="vllm_gdn_hs_bench_")
+    for variant in args.variants:
+        spec = dict(
+            variant=variant,
+            model_dir=model_dir,
+            layers=args.layers,
+            workloads=args.workloads,
+            eager=args.eager,
+            out_dir=os.path.join(os.path.abspath(args.out_dir), variant),
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            hf_batch_sizes=args.hf_batch_sizes,
+            extra_engine_kwargs=args.extra_engine_kwargs,
+            seed=args.seed,
+            drain_timeout=args.drain_timeout,
+            result_file=os.path.join(tmpdir, f"{variant}.json"),
+        )
+        spec_path = os.path.join(tmpdir, f"{variant}-spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f, indent=1)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", spec_path]
+        print(f"[bench] {variant}: {shlex.join(cmd)}", flush=True)
+        if variant != "hf":
+            print(f"[bench] {variant}: LLM(**{engine_kwargs(spec)})", flush=True)
+        if args.dry_run:
+            continue
+        log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{mode}.log")
+        t0 = time.time()
+        rc, log = run_child(cmd, log_path, args.timeout, env)
+        wait_gpu_released()
+        records = []
+        if os.path.exists(spec["result_file"]):
+            with open(spec["result_file"]) as f:
+                records = json.load(f)
+        done = {r["workload"] for r in records}
+        why = (
+            f"timed out after {args.timeout:.0f} s (--timeout)"
+            if rc is None
+            else f"worker exited with status {rc}"
+        )
+        records += [
+            dict(make_workload(n, args.seed).stats(), error=why)
+            for n in args.workloads
+            if n not in done
+        ]
+        tail = "\n".join(log.splitlines()[-25:])
+        for r in records:
+            r.update(
+                common,
+                variant=variant,
+                mode="eager" if variant == "hf" else mode,
+                log=log_path,
+                wall_s=round(time.time() - t0, 1),
+                flags=dict(
+                    argv=shlex.join([sys.executable] + sys.argv),
+                    spec=spec,
+                    VLLM_USE_FLASHINFER_SAMPLER="0",
+                ),
+                **(kv_cache_info(log) if variant != "hf" else {}),
+            )
+            if r.get("error"):
+                r["log_tail"] = tail
+        merge_results(args.results, records)
+        print(f"[bench] {variant}: {len(records)} records -> {args.results}", flush=True)
+    print("[bench] summary (report: python benchmarks/report.py " + args.results + ")")
+    if not args.dry_run:
+        with open(args.results) as f:
+            data = json.load(f)["records"]
+        for r in data[-50:]:
+            if r["date"] != common["date"]:
+                continue
+            res = (
+                (r["error"].strip().splitlines() or ["error"])[-1][:150]
+                if r.get("error")
+                else (
+                    f"{r['prompt_tokens'] / r['gen_s']:10,.0f} tok/s  drain {r['drain_s']:6.2f} s  "
+                    f"KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
+                )
+            )
+            bs = r.get("batch_size", "-")
+            print(f"  {r['variant']:9s} {r['workload']:13s} bs={bs!s:3s} {res}")
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,512 @@
+"""The launcher (vllm_gdn_hs.launch, launch/launch_vllm.py, `vllm-gdn-hs launch`); CPU only.
+
+Run: cd /work/main && python -m pytest tests/test_launch.py -q (needs no GPU, no network).
+Covers parity with speculators' scripts/launch_vllm.py (options, defaults, layer ids, `--`
+passthrough, the command it builds), hybrid/dense and multimodal/text-only configs, the flags
+we add and the user flags that win or are refused, and every bad input's message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from vllm_gdn_hs import launch
+from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def text_hybrid_config(num_hidden_layers: int = 8) -> dict:
+    cfg = dict(hybrid_config_dict(num_hidden_layers)["text_config"])
+    cfg["architectures"] = ["Qwen3_5ForCausalLM"]
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def no_exec(monkeypatch):
+    """A test that reaches os.execvp by mistake fails instead of starting vLLM."""
+
+    def refuse(file, args):
+        raise AssertionError(f"os.execvp called: {args}")
+
+    monkeypatch.setattr(launch.os, "execvp", refuse)
+
+
+@pytest.fixture
+def hybrid(tmp_path):
+    return write_config(str(tmp_path / "hybrid"), hybrid_config_dict(8))
+
+
+@pytest.fixture
+def dense(tmp_path):
+    return write_config(str(tmp_path / "dense"), dense_config_dict(8))
+
+
+@pytest.fixture
+def text_hybrid(tmp_path):
+    return write_config(str(tmp_path / "text_hybrid"), text_hybrid_config(8))
+
+
+def with_dry_run(argv) -> list[str]:
+    """--dry-run right after MODEL: after "--" it would go to vLLM and the test would exec it."""
+    return [*argv[:1], "--dry-run", *argv[1:]]
+
+
+def dry_run(capsys, *argv: str) -> list[str]:
+    """Run main(... --dry-run), check it succeeded, return the printed command, split back."""
+    rc = launch.main(with_dry_run(argv))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.strip().splitlines()
+    assert lines[0] == "Running command:"
+    return shlex.split(lines[-1])
+
+
+def fail(capsys, *argv: str) -> str:
+    """Run main(argv), check it failed with exit code 2, return stderr."""
+    rc = launch.main(with_dry_run(argv))
+    captured = capsys.readouterr()
+    assert rc == 2, captured
+    assert "Running command" not in captured.out
+    assert "Traceback" not in captured.err
+    return captured.err
+
+
+def spec_ids(cmd: list[str]) -> list[int]:
+    spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
+    return spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+
+
+def kv_config(cmd: list[str]) -> dict:
+    return json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+
+
+def tail(cmd: list[str]) -> list[str]:
+    """What follows the two JSON configs: our extra flags, then the user's."""
+    return cmd[cmd.index("--kv_transfer_config") + 2 :]
+
+
+# --- Argument parity with speculators' launch_vllm.py ---------------------------------------
+
+
+def test_options_match_speculators():
+    opts = {s for a in launch.make_parser()._actions for s in a.option_strings}
+    assert opts == {
+        "-h",
+        "--help",
+        "--hidden-states-backend",
+        "--hidden-states-path",
+        "--target-layer-ids",
+        "--include-last-layer",
+        "--no-include-last-layer",
+        "--dry-run",
+        "--trust-remote-code",
+    }
+
+
+def test_defaults_match_speculators():
+    args = launch.parse_args(["some/model"])
+    assert args.model == "some/model"
+    assert args.hidden_states_backend == "file"
+    assert args.hidden_states_path == "/tmp/hidden_states"
+    assert args.target_layer_ids is None
+    assert args.include_last_layer is True
+    assert args.dry_run is False
+    assert args.trust_remote_code is False
+    assert args.vllm_args == []
+
+
+def test_every_option_parsed():
+    args = launch.parse_args(
+        [
+            "m",
+            "--hidden-states-backend",
+            "file",
+            "--hidden-states-path",
+            "/data/hs",
+            "--target-layer-ids",
+            "1",
+            "5",
+            "--no-include-last-layer",
+            "--dry-run",
+            "--trust-remote-code",
+            "--",
+            "--port",
+            "8001",
+        ]
+    )
+    assert args.hidden_states_path == "/data/hs"
+    assert args.target_layer_ids == [1, 5]
+    assert args.include_last_layer is False
+    assert args.dry_run and args.trust_remote_code
+    assert args.vllm_args == ["--port", "8001"]
+
+
+def test_help_returns_zero(capsys):
+    assert launch.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--hidden-states-path" in out and "--no-include-last-layer" in out
+
+
+@pytest.mark.parametrize(
+    "n, expected", [(8, [2, 4, 5, 8]), (32, [2, 16, 29, 32]), (64, [2, 32, 61, 64])]
+)
+@pytest.mark.parametrize("kind", ["hybrid", "text_hybrid", "dense"])
+def test_default_layer_ids(tmp_path, capsys, n, expected, kind):
+    cfg = {
+        "hybrid": hybrid_config_dict,
+        "text_hybrid": text_hybrid_config,
+        "dense": dense_config_dict,
+    }[kind](n)
+    model = write_config(str(tmp_path / kind), cfg)
+    assert spec_ids(dry_run(capsys, model)) == expected
+
+
+def test_default_ids_ignore_no_include_last_layer(capsys, hybrid):
+    # speculators applies --no-include-last-layer only to custom ids.
+    assert spec_ids(dry_run(capsys, hybrid, "--no-include-last-layer")) == [2, 4, 5, 8]
+
+
+def test_custom_ids_get_last_layer_and_warning(capsys, hybrid):
+    rc = launch.main([hybrid, "--target-layer-ids", "1", "3", "--dry-run"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert spec_ids(shlex.split(captured.out.splitlines()[-1])) == [1, 3, 8]
+    assert "warning: using custom target layer ids [1, 3, 8]" in captured.err
+    assert "without the last one (8)" in captured.err
+
+
+def test_custom_ids_no_include_last_layer(capsys, hybrid):
+    assert spec_ids(
+        dry_run(capsys, hybrid, "--target-layer-ids", "1", "3", "--no-include-last-layer")
+    ) == [1, 3]
+
+
+def test_custom_ids_with_last_layer_not_repeated(capsys, hybrid):
+    assert spec_ids(dry_run(capsys, hybrid, "--target-layer-ids", "0", "8", "4")) == [0, 8, 4]
+
+
+def test_passthrough_after_double_dash(capsys, dense):
+    user = ["--port", "8001", "--chat-template", "{{ 'a b' }}", "--", "-tp", "2"]
+    cmd = dry_run(capsys, dense, "--", *user)
+    assert tail(cmd) == ["--no-enable-prefix-caching", *user]
+
+
+def test_unknown_options_before_double_dash_go_to_vllm(capsys, dense):
+    # speculators uses parse_known_args: unknown options reach vLLM too.
+    cmd = dry_run(capsys, dense, "--port", "8001", "--", "--enforce-eager")
+    assert tail(cmd) == ["--no-enable-prefix-caching", "--port", "8001", "--enforce-eager"]
+
+
+# --- The command ------------------------------------------------------------------------------
+
+
+def test_dense_command_is_speculators_command(capsys, dense):
+    cmd = dry_run(
+        capsys, dense, "--hidden-states-path", "/data/hs", "--", "--max-model-len", "4096"
+    )
+    expected = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        dense,
+        "--speculative_config",
+        json.dumps(
+            {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}
+                },
+            }
+        ),
+        "--kv_transfer_config",
+        json.dumps(
+            {
+                "kv_connector": "HybridHiddenStatesConnector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": "/data/hs"},
+            }
+        ),
+        "--no-enable-prefix-caching",
+        "--max-model-len",
+        "4096",
+    ]
+    assert cmd == expected
+
+
+def test_six_layers_default_ids_repeat(capsys, tmp_path):
+    # N=6 gives [2, 3, 3, 6]; speculators rejects the repeat too (len(set(ids)) != len(ids)).
+    model = write_config(str(tmp_path / "six"), dense_config_dict(6))
+    err = fail(capsys, model)
+    assert "error: layer ids [3] are repeated" in err
+    assert spec_ids(dry_run(capsys, model, "--target-layer-ids", "2", "3")) == [2, 3, 6]
+
+
+def test_hidden_states_path_made_absolute(capsys, hybrid, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cmd = dry_run(capsys, hybrid, "--hidden-states-path", "out/hs")
+    path = kv_config(cmd)["kv_connector_extra_config"]["shared_storage_path"]
+    assert path == str(tmp_path / "out" / "hs")
+    assert kv_config(dry_run(capsys, hybrid))["kv_connector_extra_config"] == {
+        "shared_storage_path": "/tmp/hidden_states"
+    }
+
+
+def test_multimodal_hybrid_extras(capsys, hybrid):
+    cmd = dry_run(capsys, hybrid, "--hidden-states-backend=file")
+    assert cmd[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", hybrid]
+    assert kv_config(cmd)["kv_connector"] == "HybridHiddenStatesConnector"
+    assert kv_config(cmd)["kv_role"] == "kv_producer"
+    spec = json.loads(cmd[cmd.index("--speculative_config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert tail(cmd) == ["--no-enable-prefix-caching", "--language-model-only"]
+    assert "--disable-hybrid-kv-cache-manager" not in cmd
+
+
+def test_text_only_hybrid_has_no_language_model_only(capsys, text_hybrid):
+    cmd = dry_run(capsys, text_hybrid)
+    assert tail(cmd) == ["--no-enable-prefix-caching"]
+    assert "--disable-hybrid-kv-cache-manager" not in cmd
+
+
+def test_printed_command_pastes_into_a_shell(capsys, hybrid, tmp_path):
+    # The JSON holds quotes and spaces: shlex.join must quote it so a shell gets one argument.
+    odd = str(tmp_path / "dir with space")
+    cmd = dry_run(capsys, hybrid, "--hidden-states-path", odd)
+    assert kv_config(cmd)["kv_connector_extra_config"]["shared_storage_path"] == odd
+    assert json.loads(cmd[cmd.index("--speculative_config") + 1])
+
+
+def test_main_execs_the_command(capsys, monkeypatch, hybrid):
+    calls = []
+    monkeypatch.setattr(launch.os, "execvp", lambda file, args: calls.append((file, args)))
+    assert launch.main([hybrid, "--", "--port", "9000"]) == 0
+    printed = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert calls == [(sys.executable, printed)]
+    assert printed[-2:] == ["--port", "9000"]
+
+
+def test_dry_run_does_not_exec(capsys, hybrid):
+    dry_run(capsys, hybrid)  # no_exec fails the test if it execs
+
+
+def test_build_command_with_given_info(hybrid):
+    from vllm_gdn_hs.model_info import read_model_info
+
+    args = launch.parse_args(["served-name", "--", "--seed", "1"])
+    cmd = launch.build_command(args, read_model_info(hybrid))
+    assert cmd[4] == "served-name"
+    assert spec_ids(cmd) == [2, 4, 5, 8]
+    assert tail(cmd) == ["--no-enable-prefix-caching", "--language-model-only", "--seed", "1"]
+
+
+# --- User flags win, contradicting flags are refused -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "user, expected",
+    [
+        (["--no-enable-prefix-caching"], ["--language-model-only"]),
+        (["--no_enable_prefix_caching"], ["--language-model-only"]),
+        (["--no-language-model-only"], ["--no-enable-prefix-caching"]),
+        (["--language_model_only"], ["--no-enable-prefix-caching"]),
+        (["--language-model-only=true"], ["--no-enable-prefix-caching"]),
+        (["--enable-prefix-caching", "--no-enable-prefix-caching"], ["--language-model-only"]),
+        (["--no-enable-prefix-caching", "--no-language-model-only"], []),
+    ],
+)
+def test_user_flags_win(capsys, hybrid, user, expected):
+    cmd = dry_run(capsys, hybrid, "--", *user)
+    assert tail(cmd) == [*expected, *user]
+
+
+def test_allowed_flags_pass_through(capsys, hybrid, dense):
+    assert tail(dry_run(capsys, hybrid, "--", "-pp", "1"))[-2:] == ["-pp", "1"]
+    assert tail(dry_run(capsys, hybrid, "--", "--pipeline-parallel-size=1"))[-1] == (
+        "--pipeline-parallel-size=1"
+    )
+    assert tail(dry_run(capsys, hybrid, "--", "--no-disable-hybrid-kv-cache-manager"))[-1] == (
+        "--no-disable-hybrid-kv-cache-manager"
+    )
+    # A dense model has no hybrid KV cache manager to keep on.
+    assert tail(dry_run(capsys, dense, "--", "--disable-hybrid-kv-cache-manager")) == [
+        "--no-enable-prefix-caching",
+        "--disable-hybrid-kv-cache-manager",
+    ]
+
+
+@pytest.mark.parametrize(
+    "user, words",
+    [
+        (["--enable-prefix-caching"], ["--enable-prefix-caching", "prefix caching off"]),
+        (["--enable_prefix_caching"], ["--enable-prefix-caching", "prefix caching off"]),
+        (["--no-enable-prefix-caching", "--enable-prefix-caching"], ["prefix caching off"]),
+        (["--disable-hybrid-kv-cache-manager"], ["--disable-hybrid-kv-cache-manager", "hybrid"]),
+        (["--disable_hybrid_kv_cache_manager"], ["--disable-hybrid-kv-cache-manager", "drop"]),
+        (["-pp", "2"], ["-pp 2", "pipeline parallelism is not supported"]),
+        (["-pp=2"], ["-pp 2", "pipeline parallelism"]),
+        (["--pipeline-parallel-size", "4"], ["--pipeline-parallel-size 4", "pipeline"]),
+        (["--pipeline_parallel_size=2"], ["--pipeline-parallel-size 2", "--tensor-parallel"]),
+        (["--speculative-config", "{}"], ["--speculative-config", "--target-layer-ids"]),
+        (["--speculative_config", "{}"], ["--speculative-config", "--target-layer-ids"]),
+        (["-sc", "{}"], ["-sc", "--target-layer-ids"]),
+        (["--speculative-config.method=eagle"], ["--speculative-config", "launcher"]),
+        (["--kv-transfer-config", "{}"], ["--kv-transfer-config", "--hidden-states-path"]),
+        (["--kv_transfer_config={}"], ["--kv-transfer-config", "--hidden-states-path"]),
+        (["--kv-transfer-config.kv_role=kv_both"], ["--kv-transfer-config", "launcher"]),
+    ],
+)
+def test_conflicting_flags_refused(capsys, hybrid, user, words):
+    err = fail(capsys, hybrid, "--", *user)
+    assert err.startswith("error: ")
+    for word in words:
+        assert word in err, err
+
+
+def test_conflicting_flag_before_double_dash_refused(capsys, hybrid):
+    err = fail(capsys, hybrid, "--enable-prefix-caching")
+    assert "error: --enable-prefix-caching" in err
+
+
+# --- Bad inputs -------------------------------------------------------------------------------
+
+
+def test_missing_model_path(capsys, tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    err = fail(capsys, missing)
+    assert err == (
+        f"error: model folder {missing} does not exist: pass a HF model folder or a hub id "
+        "such as Qwen/Qwen3.6-27B\n"
+    )
+
+
+def test_folder_without_config(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    err = fail(capsys, str(tmp_path / "empty"))
+    assert "has no config.json" in err and err.startswith("error: ")
+
+
+def test_corrupt_config(capsys, tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"num_hidden_layers": 8,')
+    err = fail(capsys, str(tmp_path / "bad"))
+    assert err.startswith("error: cannot read ") and "config.json" in err
+
+
+def test_unreadable_config(capsys, tmp_path):
+    # A directory where config.json should be: unreadable even as root.
+    (tmp_path / "odd" / "config.json").mkdir(parents=True)
+    err = fail(capsys, str(tmp_path / "odd"))
+    assert err.startswith("error: cannot read ") and "config.json" in err
+
+
+def test_config_without_layers(capsys, tmp_path):
+    model = write_config(str(tmp_path / "m"), {"architectures": ["X"], "hidden_size": 8})
+    err = fail(capsys, model)
+    assert "no num_hidden_layers/hidden_size" in err
+
+
+@pytest.mark.parametrize(
+    "ids, words",
+    [
+        (["9"], ["[9] are out of range", "0..8"]),
+        (["-1", "3"], ["[-1] are out of range", "0..8"]),
+        (["3", "3"], ["[3] are repeated"]),
+    ],
+)
+def test_bad_layer_ids(capsys, hybrid, ids, words):
+    err = fail(capsys, hybrid, "--target-layer-ids", *ids)
+    assert err.splitlines()[-1].startswith("error: layer ids ")
+    for word in words:
+        assert word in err, err
+
+
+def test_no_include_last_layer_with_out_of_range(capsys, hybrid):
+    err = fail(capsys, hybrid, "--target-layer-ids", "2", "12", "--no-include-last-layer")
+    assert "[12] are out of range" in err
+
+
+def test_non_integer_layer_id(capsys, hybrid):
+    err = fail(capsys, hybrid, "--target-layer-ids", "two")
+    assert "invalid int value: 'two'" in err
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "redis", "File"])
+def test_unknown_backend(capsys, hybrid, backend):
+    err = fail(capsys, hybrid, "--hidden-states-backend", backend)
+    assert err == (
+        f"error: --hidden-states-backend {backend!r} is not available: vllm-gdn-hs ships "
+        "only 'file'\n"
+    )
+
+
+def test_missing_model_argument(capsys):
+    err = fail(capsys)
+    assert "the following arguments are required: model" in err
+
+
+# --- As a script and through the CLI ----------------------------------------------------------
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+
+
+def test_script_dry_run(hybrid):
+    p = run(
+        "launch/launch_vllm.py",
+        hybrid,
+        "--hidden-states-path",
+        "/data/hs",
+        "--dry-run",
+        "--",
+        "--port",
+        "8001",
+    )
+    assert p.returncode == 0, p.stderr
+    cmd = shlex.split(p.stdout.strip().splitlines()[-1])
+    assert cmd[2:5] == ["vllm.entrypoints.cli.main", "serve", hybrid]
+    assert spec_ids(cmd) == [2, 4, 5, 8]
+    assert kv_config(cmd)["kv_connector_extra_config"]["shared_storage_path"] == "/data/hs"
+    assert tail(cmd) == ["--no-enable-prefix-caching", "--language-model-only", "--port", "8001"]
+
+
+def test_script_error_has_no_traceback(tmp_path):
+    p = run("launch/launch_vllm.py", str(tmp_path / "missing"), "--dry-run")
+    assert p.returncode == 2
+    assert p.stderr.startswith("error: model folder ") and "Traceback" not in p.stderr
+    assert p.stdout == ""
+
+
+def test_script_usage_names_launch_vllm():
+    p = run("launch/launch_vllm.py", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("usage: launch_vllm.py ")
+
+
+def test_cli_launch_dry_run(text_hybrid):
+    p = run(
+        "-m", "vllm_gdn_hs.cli", "launch", text_hybrid, "--target-layer-ids", "1", "2", "--dry-run"
+    )
+    assert p.returncode == 0, p.stderr
+    cmd = shlex.split(p.stdout.strip().splitlines()[-1])
+    assert spec_ids(cmd) == [1, 2, 8]
+    assert tail(cmd) == ["--no-enable-prefix-caching"]
+    assert "warning: using custom target layer ids [1, 2, 8]" in p.stderr
+
+
+def test_cli_launch_error(hybrid):
+    p = run("-m", "vllm_gdn_hs.cli", "launch", hybrid, "--dry-run", "--", "-pp", "2")
+    assert p.returncode == 2
+    assert "pipeline parallelism is not supported" in p.stderr and "Traceback" not in p.stderr
+    q = run("-m", "vllm_gdn_hs.cli", "launch", "--help")
+    assert q.returncode == 0 and q.stdout.startswith("usage: vllm-gdn-hs launch ")

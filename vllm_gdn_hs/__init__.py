@@ -1,0 +1,36 @@
+"""vllm-gdn-hs: hidden-state extraction for GDN hybrid models on vLLM.
+
+vLLM calls :func:`register` in every process it starts, through the
+``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+CONNECTOR_NAME = "HybridHiddenStatesConnector"
+CONNECTOR_MODULE = "vllm_gdn_hs.connector"
+
+_registered = False
+
+
+def register() -> None:
+    """Check the vLLM version, apply its runtime patches, register the connector.
+
+    Idempotent and cheap: the connector is registered by module path, so its
+    torch-heavy code is imported only when a config names it.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm_gdn_hs.version import check_vllm
+
+    check_vllm()
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from vllm_gdn_hs.patch import apply_patches
+
+    apply_patches()
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    _registered = True

@@ -1,0 +1,513 @@
+"""HybridHiddenStatesConnector: hidden states streamed out of the GPU every step.
+
+Mirrors vLLM's ``ExampleHiddenStatesConnector`` (same request, file and
+``kv_transfer_params`` contract, the one speculators reads) but never keeps
+hidden states in the paged KV cache, and subclasses ``SupportsHMA`` so GDN
+hybrid models (Qwen3.5/3.6) run with the hybrid KV cache manager on.
+
+Data path, per step:
+- scheduler side: tells the worker which requests are new (file path,
+  prompt length) and which finished (token ids to write, or aborted);
+- worker side: ``ExtractHiddenStatesProposer.propose`` (patched, see
+  ``patch/patch_spec_decode_extract_hidden_states.py``) stacks the target
+  model's aux hidden states into a one-step GPU buffer and calls
+  :meth:`HybridHiddenStatesConnector.save_hidden_states`, which copies them to
+  a pinned host buffer on a side stream. A drain thread scatters rows into
+  per-request host tensors by position (later rows for a position overwrite
+  earlier ones: chunked prefill, preemption and rejected draft tokens all
+  come out right), and a thread pool writes finished requests atomically.
+
+Files: ``{shared_storage_path}/{req_id}.safetensors`` with ``hidden_states``
+[T, L, H] (model dtype, layers in the configured order) and ``token_ids``
+[T] int64. ``<file>.lock`` is created and ``flock``-ed by the writer before
+the response leaves; it is released once the file is complete (the reader
+deletes it), as speculators' reader expects.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from vllm_gdn_hs import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+class HiddenStatesConfig(BaseModel):
+    """``kv_connector_extra_config`` of the connector."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shared_storage_path: str = "/tmp/hidden_states"
+    host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
+    write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
+    validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
+    allow_custom_save_path: bool = False
+
+
+def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    try:
+        return HiddenStatesConfig(**extra)
+    except Exception as e:
+        raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
+
+
+def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
+    """Startup checks; each error names the fix. Returns the layer ids."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "extract_hidden_states":
+        raise ValueError(
+            f"{CONNECTOR_NAME} needs the extract_hidden_states speculative method: pass "
+            '--speculative-config \'{"method": "extract_hidden_states", '
+            '"num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
+            '{"eagle_aux_hidden_state_layer_ids": [...]}}}\''
+        )
+    layer_ids = list(getattr(spec.draft_model_config.hf_config,
+                             "eagle_aux_hidden_state_layer_ids", None) or [])
+    n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME} does not support pipeline parallelism: use tensor or data "
+            "parallelism (--tensor-parallel-size / --data-parallel-size) instead of "
+            "--pipeline-parallel-size"
+        )
+    from vllm_gdn_hs.model_info import validate_layer_ids
+
+    try:
+        validate_layer_ids(layer_ids, n)
+    except ValueError as e:
+        raise ValueError(f"{CONNECTOR_NAME}: eagle_aux_hidden_state_layer_ids: {e}") from None
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            f"{CONNECTOR_NAME} does not support prefix caching (cached prefixes have no hidden "
+            "states): pass --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
+        )
+    return layer_ids
+
+
+def check_storage_path(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: shared_storage_path {path!r} is not writable ({e}); pass a "
+            'writable folder in --kv-transfer-config \'{"kv_connector_extra_config": '
+            '{"shared_storage_path": "..."}}\''
+        ) from None
+
+
+# ---------------------------------------------------------------------------
+# Metadata: scheduler side -> worker side, once per step
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class NewRequest:
+    req_id: str
+    path: str
+    num_prompt_tokens: int
+
+
+@dataclass
+class FinishedRequest:
+    req_id: str
+    token_ids: list[int] | None  # None: aborted, drop everything
+
+
+@dataclass
+class HybridHiddenStatesConnectorMetadata(KVConnectorMetadata):
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_requests: list[FinishedRequest] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------
+# Worker side: host buffers, drain thread, writers
+# ---------------------------------------------------------------------------
+
+
+class _RequestBuffer:
+    """Host rows of one request, indexed by token position."""
+
+    def __init__(self, req: NewRequest, num_layers: int, hidden: int, dtype: torch.dtype):
+        self.req = req
+        self.rows = torch.empty((req.num_prompt_tokens, num_layers, hidden), dtype=dtype)
+        self.seen = torch.zeros(req.num_prompt_tokens, dtype=torch.bool)
+        self.lock_fd = _take_lock(req.path + ".lock")
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if end > self.rows.shape[0]:  # generated tokens (include_output_tokens)
+            cap = max(end, 2 * self.rows.shape[0])
+            grown = torch.empty((cap, *self.rows.shape[1:]), dtype=self.rows.dtype)
+            grown[: self.rows.shape[0]] = self.rows
+            seen = torch.zeros(cap, dtype=torch.bool)
+            seen[: self.seen.shape[0]] = self.seen
+            self.rows, self.seen = grown, seen
+        self.rows[start:end] = rows
+        self.seen[start:end] = True
+
+
+def _take_lock(lock_path: str) -> int:
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _release_lock(fd: int, lock_path: str, remove: bool) -> None:
+    if remove:
+        try:
+            os.remove(lock_path)
+        except FileNotFoundError:
+            pass
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def check_rows(hidden_states: torch.Tensor) -> str | None:
+    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
+    flat = hidden_states.flatten(1)
+    if not torch.isfinite(flat).all():
+        bad = (~torch.isfinite(flat)).any(1).nonzero().flatten()[:5].tolist()
+        return f"non-finite values at token positions {bad}"
+    zero = (flat == 0).all(1)
+    if zero.any():
+        return f"all-zero rows at token positions {zero.nonzero().flatten()[:5].tolist()}"
+    return None
+
+
+def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Write atomically: a temp file in the same folder, then rename."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+@dataclass
+class _Slot:
+    hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
+    num_computed: torch.Tensor  # pinned [max_reqs] int32
+    copied: torch.cuda.Event
+    free: threading.Event
+
+
+class HiddenStatesWriter:
+    """Device-to-host copies, the drain thread and the file writers of one worker."""
+
+    def __init__(self, cfg: HiddenStatesConfig, max_tokens: int, max_reqs: int,
+                 num_layers: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.num_layers, self.hidden, self.dtype = cfg, num_layers, hidden, dtype
+        self.stream = torch.cuda.Stream(device=device)
+        self.slots = [
+            _Slot(
+                torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=True),
+                torch.empty(max_reqs, dtype=torch.int32, pin_memory=True),
+                torch.cuda.Event(),
+                threading.Event(),
+            )
+            for _ in range(cfg.host_buffers)
+        ]
+        for s in self.slots:
+            s.free.set()
+        self.next_slot = 0
+        self.last_copy: torch.cuda.Event | None = None
+        self.requests: dict[str, _RequestBuffer] = {}
+        self.tasks: queue.Queue = queue.Queue()
+        self.pool = ThreadPoolExecutor(cfg.write_workers, thread_name_prefix="hs-write")
+        self.pending_writes = 0
+        self.stats = dict(files=0, bytes=0, failed=0, dropped=0)
+        self.stats_lock = threading.Lock()
+        self.last_log = time.monotonic()
+        self.drain = threading.Thread(target=self._drain_loop, name="hs-drain", daemon=True)
+        self.drain.start()
+
+    # -- engine thread ----------------------------------------------------
+    def wait_staging_free(self) -> None:
+        """Make the current stream wait (on the GPU) for the last copy out of
+        the one-step staging buffer before it is overwritten."""
+        if self.last_copy is not None:
+            torch.cuda.current_stream().wait_event(self.last_copy)
+
+    def on_metadata(self, meta: HybridHiddenStatesConnectorMetadata) -> None:
+        for req in meta.new_requests:
+            if req.req_id not in self.requests:
+                self.requests[req.req_id] = _RequestBuffer(
+                    req, self.num_layers, self.hidden, self.dtype)
+        for fin in meta.finished_requests:
+            self.tasks.put(("finish", fin))
+
+    def save(self, hidden_states: torch.Tensor, req_ids: list[str],
+             query_start_loc_cpu: torch.Tensor, num_computed_tokens: torch.Tensor) -> None:
+        num_tokens = hidden_states.shape[0]
+        num_reqs = len(req_ids)
+        slot = self.slots[self.next_slot]
+        self.next_slot = (self.next_slot + 1) % len(self.slots)
+        if not slot.free.is_set():  # host back-pressure: the drain thread is behind
+            slot.free.wait()
+        slot.free.clear()
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
+            slot.num_computed[:num_reqs].copy_(num_computed_tokens, non_blocking=True)
+            slot.copied.record(self.stream)
+        num_computed_tokens.record_stream(self.stream)
+        self.last_copy = slot.copied
+        self.tasks.put(("rows", slot, req_ids, query_start_loc_cpu.tolist()))
+
+    def close(self, timeout: float = 600.0) -> None:
+        done = threading.Event()
+        self.tasks.put(("flush", done))
+        if not done.wait(timeout):
+            logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME,
+                         timeout)
+        self.pool.shutdown(wait=True)
+        for buf in self.requests.values():  # never finished: leave no lock behind
+            _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
+        self.requests.clear()
+
+    # -- drain thread -----------------------------------------------------
+    def _drain_loop(self) -> None:
+        while True:
+            task = self.tasks.get()
+            try:
+                getattr(self, "_on_" + task[0])(*task[1:])
+            except Exception:
+                logger.exception("%s: hidden-state drain task %s failed", CONNECTOR_NAME,
+                                 task[0])
+
+    def _on_rows(self, slot: _Slot, req_ids: list[str], qsl: list[int]) -> None:
+        slot.copied.synchronize()
+        try:
+            num_computed = slot.num_computed[: len(req_ids)].tolist()
+            for i, req_id in enumerate(req_ids):
+                buf = self.requests.get(req_id)
+                if buf is None:
+                    continue  # aborted, or finished before this step's rows
+                buf.put(num_computed[i], slot.hidden_states[qsl[i] : qsl[i + 1]])
+        finally:
+            slot.free.set()
+
+    def _on_finish(self, fin: FinishedRequest) -> None:
+        buf = self.requests.pop(fin.req_id, None)
+        if buf is None:
+            return
+        if fin.token_ids is None:  # aborted: no file, no lock
+            _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
+            with self.stats_lock:
+                self.stats["dropped"] += 1
+            return
+        with self.stats_lock:
+            self.pending_writes += 1
+        self.pool.submit(self._write, buf, fin.token_ids)
+
+    def _on_flush(self, done: threading.Event) -> None:
+        done.set()
+
+    # -- writer threads -----------------------------------------------------
+    def _write(self, buf: _RequestBuffer, token_ids: list[int]) -> None:
+        path, n = buf.req.path, len(token_ids)
+        ok = False
+        try:
+            missing = (~buf.seen[:n]).nonzero().flatten() if buf.seen.shape[0] >= n else None
+            if missing is None or missing.numel():
+                where = "beyond the rows computed" if missing is None else missing[:5].tolist()
+                raise RuntimeError(f"hidden states missing for token positions {where}")
+            hidden_states = buf.rows[:n]
+            if self.cfg.validate_rows and (why := check_rows(hidden_states)):
+                raise RuntimeError(why)
+            write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
+            ok = True
+        except Exception as e:
+            logger.error("%s: request %s: no hidden-states file written to %s: %s",
+                         CONNECTOR_NAME, buf.req.req_id, path, e)
+        finally:
+            # On failure the lock goes too, so a reader fails at once, not after 10 s.
+            _release_lock(buf.lock_fd, path + ".lock", remove=not ok)
+            with self.stats_lock:
+                self.pending_writes -= 1
+                self.stats["files" if ok else "failed"] += 1
+                if ok:
+                    self.stats["bytes"] += buf.rows[:n].numel() * buf.rows.element_size()
+                now = time.monotonic()
+                if now - self.last_log > 30:
+                    self.last_log = now
+                    logger.info("%s: %d files (%.2f GB) written, %d failed, %d dropped, "
+                                "%d writing, %d requests in flight", CONNECTOR_NAME,
+                                self.stats["files"], self.stats["bytes"] / 1e9,
+                                self.stats["failed"], self.stats["dropped"],
+                                self.pending_writes, len(self.requests))
+
+
+# ---------------------------------------------------------------------------
+# The connector
+# ---------------------------------------------------------------------------
+
+
+class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    """Writes each request's hidden states to one safetensors file."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = config_from(vllm_config)
+        self.layer_ids = validate_vllm_config(vllm_config)
+        self.storage_path = os.path.abspath(self.cfg.shared_storage_path)
+        # Scheduler side
+        self._paths: dict[str, str] = {}
+        self._finished: list[FinishedRequest] = []
+        # Worker side
+        self._writer: HiddenStatesWriter | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            check_storage_path(self.storage_path)
+            logger.info("%s: layers %s -> %s", CONNECTOR_NAME, self.layer_ids,
+                        self.storage_path)
+        elif self._is_writer_rank():
+            self._writer = self._make_writer(vllm_config)
+
+    @staticmethod
+    def _is_writer_rank() -> bool:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+
+    def _make_writer(self, vllm_config: VllmConfig) -> HiddenStatesWriter:
+        sched = vllm_config.scheduler_config
+        return HiddenStatesWriter(
+            self.cfg,
+            max_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,
+            max_reqs=sched.max_num_seqs,
+            num_layers=len(self.layer_ids),
+            hidden=vllm_config.model_config.get_hidden_size(),
+            dtype=vllm_config.model_config.dtype,
+            device=torch.device("cuda", torch.cuda.current_device()),
+        )
+
+    # ==============================
+    # Worker side
+    # ==============================
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._writer is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, HybridHiddenStatesConnectorMetadata)
+            self._writer.on_metadata(meta)
+
+    def wait_staging_free(self) -> None:
+        if self._writer is not None:
+            self._writer.wait_staging_free()
+
+    def save_hidden_states(self, hidden_states: torch.Tensor, req_ids: list[str],
+                           query_start_loc_cpu: torch.Tensor,
+                           num_computed_tokens: torch.Tensor) -> None:
+        """Called by the patched proposer with one step's rows, in batch order."""
+        if self._writer is not None:
+            self._writer.save(hidden_states, req_ids, query_start_loc_cpu, num_computed_tokens)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        pass  # nothing lives in the KV cache
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if request.request_id not in self._paths:  # first allocation of this request
+            self._paths[request.request_id] = self._path_for(request)
+
+    def _path_for(self, request: Request) -> str:
+        custom = (request.kv_transfer_params or {}).get("hidden_states_path")
+        if custom and self.cfg.allow_custom_save_path:
+            return os.path.abspath(custom)
+        if custom:
+            logger.warning(
+                "%s: request %s asks for hidden_states_path %s, ignored: set "
+                '"allow_custom_save_path": true in kv_connector_extra_config to allow it',
+                CONNECTOR_NAME, request.request_id, custom)
+        return os.path.join(self.storage_path, f"{request.request_id}.safetensors")
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)
+        self._finished = []
+        for new in scheduler_output.scheduled_new_reqs:
+            path = self._paths.get(new.req_id)
+            if path is None:
+                continue
+            meta.new_requests.append(NewRequest(new.req_id, path, len(new.prompt_token_ids or ())))
+        return meta
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        path = self._paths.pop(request.request_id, None)
+        if path is None:
+            return False, None
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            self._finished.append(FinishedRequest(request.request_id, None))
+            return False, None
+        params = request.kv_transfer_params or {}
+        if params.get("include_output_tokens"):
+            token_ids = list(request.all_token_ids[:-1])  # the last one was never run
+        else:
+            token_ids = list(request.prompt_token_ids or ())
+        self._finished.append(FinishedRequest(request.request_id, token_ids))
+        return False, {"hidden_states_path": path}
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))

@@ -1,0 +1,282 @@
+"""Start ``vllm serve`` for hidden-state extraction: a drop-in for speculators' launcher.
+
+Mirrors speculators' ``scripts/launch_vllm.py`` (0.9.0): the same options,
+defaults, layer ids and command, with three differences:
+
+- the KV connector is ``HybridHiddenStatesConnector`` instead of
+  ``ExampleHiddenStatesConnector``, so GDN hybrid models (Qwen3.5/3.6) work with
+  vLLM's hybrid KV cache manager on;
+- it adds ``--no-enable-prefix-caching`` (the connector needs every prompt token
+  run through the model), and ``--language-model-only`` for multimodal
+  checkpoints, unless the user passed those flags after ``--``;
+- the printed command is shell-quoted (``shlex.join``), and bad input or a flag
+  that contradicts extraction fails before vLLM starts, with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.model_info import (
+    ModelInfo,
+    default_layer_ids,
+    read_model_info,
+    validate_layer_ids,
+)
+
+
+class LaunchError(ValueError):
+    """Bad launcher input; the message tells the user what to change."""
+
+
+class FileBackend:
+    """One safetensors file per request under ``--hidden-states-path``."""
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--hidden-states-path",
+            type=str,
+            default="/tmp/hidden_states",
+            help="The directory to save hidden states to. Default '/tmp/hidden_states'",
+        )
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict:
+        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
+        return {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": path},
+        }
+
+
+# Hidden-state backends by --hidden-states-backend name; each adds its own options.
+BACKENDS: dict[str, type[FileBackend]] = {"file": FileBackend}
+
+_USAGE = (
+    "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
+    "[--target-layer-ids ID [ID ...]] [--include-last-layer | --no-include-last-layer] "
+    "[--dry-run] [--trust-remote-code] -- VLLM_ARGS..."
+)
+
+
+def make_parser(prog: str = "launch_vllm.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        usage=_USAGE,
+        description="Launch vLLM for hidden states extraction (GDN hybrid and dense models). "
+        "Everything after '--' goes to vllm serve unchanged.",
+    )
+    parser.add_argument("model", type=str, help="Model name or path to extract hidden states from")
+    parser.add_argument(
+        "--hidden-states-backend",
+        default="file",
+        metavar="{" + ",".join(BACKENDS) + "}",
+        help="Hidden states transfer backend. Each backend may add its own CLI arguments. "
+        "Default: 'file'.",
+    )
+    for backend in BACKENDS.values():
+        backend.add_launch_args(parser)
+    parser.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        help="(Optional) A (space separated) list of integer layer ids. Defaults to "
+        "[2, num_hidden_layers // 2, num_hidden_layers - 3]. Note: if set, you must also "
+        "pass the same value into the training process",
+    )
+    parser.add_argument(
+        "--include-last-layer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Append the last layer (num_hidden_layers) to target_layer_ids for verifier "
+        "hidden states extraction. Default: True",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print the command that would be executed without running it",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Allow custom model configuration code while resolving hidden-state layer ids. "
+        "Pass the same flag after '--' for vLLM itself.",
+    )
+    return parser
+
+
+def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namespace:
+    """Launcher options; ``vllm_args`` holds unknown options and everything after ``--``."""
+    argv = list(argv)
+    after: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, after = argv[:cut], argv[cut + 1 :]
+    args, unknown = make_parser(prog).parse_known_args(argv)
+    args.vllm_args = [*unknown, *after]
+    return args
+
+
+def _flag(arg: str) -> tuple[str, str | None] | None:
+    """``--kv_transfer_config.kv_role=x`` -> ``("--kv-transfer-config", "x")``, as vLLM reads it."""
+    if not arg.startswith("-") or arg == "--":
+        return None
+    key, eq, value = arg.partition("=")
+    if key.startswith("--"):
+        key = "--" + key[2:].split(".", 1)[0].replace("_", "-")
+    return key, (value if eq else None)
+
+
+def _last_value(args: list[str], names: set[str]) -> tuple[str, str | None] | None:
+    """The last use of a flag in ``names`` and its value (after ``=`` or the next argument)."""
+    found = None
+    for i, arg in enumerate(args):
+        parsed = _flag(arg)
+        if parsed and parsed[0] in names:
+            value = parsed[1]
+            if value is None and i + 1 < len(args):
+                value = args[i + 1]
+            found = (parsed[0], value)
+    return found
+
+
+def _bool_flag(args: list[str], name: str) -> bool | None:
+    """What ``--name`` / ``--no-name`` leave set (the last one wins); None if not given."""
+    state = None
+    for arg in args:
+        parsed = _flag(arg)
+        if parsed and parsed[0] == f"--{name}":
+            state = parsed[1] is None or parsed[1].lower() not in {"false", "0", "no", "off"}
+        elif parsed and parsed[0] == f"--no-{name}":
+            state = False
+    return state
+
+
+def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
+    """Refuse user flags that contradict hidden-state extraction."""
+    for names, use in (
+        ({"--speculative-config", "-sc"}, "--target-layer-ids/--include-last-layer"),
+        ({"--kv-transfer-config"}, "--hidden-states-path/--hidden-states-backend"),
+    ):
+        used = _last_value(vllm_args, names)
+        if used:
+            raise LaunchError(
+                f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
+                f"the vLLM arguments and use {use} instead"
+            )
+    if _bool_flag(vllm_args, "enable-prefix-caching"):
+        raise LaunchError(
+            f"--enable-prefix-caching: {CONNECTOR_NAME} needs prefix caching off (a cached "
+            "prefix is not run through the model, so its hidden states would be missing); "
+            "drop the flag, the launcher passes --no-enable-prefix-caching"
+        )
+    if info.is_hybrid and _bool_flag(vllm_args, "disable-hybrid-kv-cache-manager"):
+        raise LaunchError(
+            f"--disable-hybrid-kv-cache-manager: {info.path} is a hybrid (GDN) model and "
+            f"{CONNECTOR_NAME} works with vLLM's hybrid KV cache manager on; drop the flag"
+        )
+    pp = _last_value(vllm_args, {"--pipeline-parallel-size", "-pp"})
+    if pp and pp[1] is not None and pp[1].isdigit() and int(pp[1]) > 1:
+        raise LaunchError(
+            f"{pp[0]} {pp[1]}: pipeline parallelism is not supported for hidden-state "
+            "extraction (each stage holds only some layers); use --tensor-parallel-size "
+            "or --data-parallel-size instead"
+        )
+
+
+def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
+    """The flags we add, each only when the user did not pass it (either way)."""
+    extra = []
+    if _bool_flag(vllm_args, "enable-prefix-caching") is None:
+        extra.append("--no-enable-prefix-caching")
+    if info.multimodal and _bool_flag(vllm_args, "language-model-only") is None:
+        extra.append("--language-model-only")
+    return extra
+
+
+def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
+    """speculators' rule: defaults, or the user's ids plus the last layer."""
+    n = num_hidden_layers
+    if not args.target_layer_ids:
+        ids = default_layer_ids(n)
+    else:
+        ids = list(args.target_layer_ids)
+        if args.include_last_layer and n not in ids:
+            ids.append(n)
+        print(
+            f"warning: using custom target layer ids {ids}. Pass the same ids, without the "
+            f"last one ({ids[-1]}), to the training script.",
+            file=sys.stderr,
+        )
+    try:
+        return validate_layer_ids(ids, n)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _check_model_path(model: str) -> None:
+    looks_local = model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+    if looks_local and not os.path.exists(model):
+        raise LaunchError(
+            f"model folder {model} does not exist: pass a HF model folder or a hub id "
+            "such as Qwen/Qwen3.6-27B"
+        )
+
+
+def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
+    """The ``vllm serve`` command for ``args`` (from :func:`parse_args`); runs nothing."""
+    backend = BACKENDS.get(args.hidden_states_backend)
+    if backend is None:
+        raise LaunchError(
+            f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
+            f"vllm-gdn-hs ships only {', '.join(repr(b) for b in BACKENDS)}"
+        )
+    if info is None:
+        _check_model_path(args.model)
+        info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)
+    ids = layer_ids(args, info.num_hidden_layers)
+    check_vllm_args(args.vllm_args, info)
+    speculative_config = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+    }
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        args.model,
+        "--speculative_config",
+        json.dumps(speculative_config),
+        "--kv_transfer_config",
+        json.dumps(backend.build_kv_transfer_config(args)),
+        *extra_vllm_args(args.vllm_args, info),
+        *args.vllm_args,
+    ]
+
+
+def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv, prog)
+    except SystemExit as e:  # --help, or argparse's own usage error
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        cmd = build_command(args)
+    except ValueError as e:  # LaunchError, ModelConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("Running command:")
+    print(shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    os.execvp(cmd[0], cmd)
+    return 0  # not reached

@@ -1,0 +1,65 @@
+"""Runtime patches for the installed vLLM, chosen in this one place.
+
+One module per patched vLLM module (``patch_<vllm module>.py``). Each says in
+its docstring why it exists, how it works and when it can be removed; each
+has its twin as a source patch in ``patches/<vllm version>/``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from vllm_gdn_hs.version import installed_vllm
+
+# vLLM release -> patch modules it needs, in the order they apply.
+PATCHES: dict[str, tuple[str, ...]] = {
+    "0.20.1": (
+        "patch_config_vllm",
+        "patch_engine_arg_utils",
+        "patch_spec_decode_extract_hidden_states",
+    ),
+}
+
+
+def patches_for(version: str | None = None) -> tuple[str, ...]:
+    if version is None:
+        v = installed_vllm()
+        version = v.base_version if v is not None else ""
+    return PATCHES.get(version, ())
+
+
+@dataclass
+class Patch:
+    """Replace or add attributes of one vLLM class; refuse to apply twice."""
+
+    target: type
+    attrs: dict
+    applied: bool = False
+
+    def apply(self) -> None:
+        from vllm.logger import init_logger
+
+        logger = init_logger(__name__)
+        if self.applied or getattr(self.target, "_vllm_gdn_hs_patched", False):
+            raise RuntimeError(f"{self.target.__qualname__} is already patched")
+        for name, value in self.attrs.items():
+            verb = "replaced" if hasattr(self.target, name) else "added"
+            setattr(self.target, name, value)
+            logger.debug("vllm_gdn_hs: %s %s.%s", verb, self.target.__qualname__, name)
+        self.target._vllm_gdn_hs_patched = True
+        self.applied = True
+
+
+_applied: list[str] = []
+
+
+def apply_patches() -> list[str]:
+    """Apply the patches the installed vLLM needs (once per process)."""
+    if _applied:
+        return list(_applied)
+    for name in patches_for():
+        module = importlib.import_module(f"{__name__}.{name}")
+        module.PATCH.apply()
+        _applied.append(name)
+    return list(_applied)

@@ -1,0 +1,55 @@
+"""Default prefix caching to off when HybridHiddenStatesConnector is used.
+
+Why: a prefix-cache hit skips the forward pass of the cached tokens, so their
+hidden states would never be computed and the file would miss rows. The
+connector refuses ``enable_prefix_caching=True`` at startup; this patch makes
+the default (the user said nothing) off, so swapping the connector name is
+the whole migration.
+
+How: wraps ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``;
+if the user left ``enable_prefix_caching`` unset and the KV transfer config
+names the connector, it is set to False after vLLM's defaults. A user's
+explicit choice is kept (and True is refused by the connector).
+
+Upstream: none; vLLM's own hidden-states connector has the same limitation.
+Remove when the connector handles cached prefixes. Source twin:
+``patches/0.20.1/0002-*.patch``.
+"""
+
+from __future__ import annotations
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+
+from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.patch import Patch
+
+logger = init_logger(__name__)
+
+_orig = EngineArgs._set_default_chunked_prefill_and_prefix_caching_args
+
+
+def _connector_name(kv_transfer_config) -> str | None:
+    if isinstance(kv_transfer_config, dict):
+        return kv_transfer_config.get("kv_connector")
+    return getattr(kv_transfer_config, "kv_connector", None)
+
+
+def _set_default_chunked_prefill_and_prefix_caching_args(self: EngineArgs, *args, **kwargs):
+    unset = self.enable_prefix_caching is None
+    result = _orig(self, *args, **kwargs)
+    if unset and _connector_name(self.kv_transfer_config) == CONNECTOR_NAME:
+        if self.enable_prefix_caching:
+            logger.info("%s: prefix caching off (cached prefixes have no hidden states)",
+                        CONNECTOR_NAME)
+        self.enable_prefix_caching = False
+    return result
+
+
+PATCH = Patch(
+    EngineArgs,
+    {
+        "_set_default_chunked_prefill_and_prefix_caching_args":
+            _set_default_chunked_prefill_and_prefix_caching_args
+    },
+)

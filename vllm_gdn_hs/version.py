@@ -1,0 +1,52 @@
+"""Which vLLM is installed, and whether this plugin supports it.
+
+The supported releases are written once, as the ``vllm`` requirement in
+``pyproject.toml``; this module reads them back from the package metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+DIST_NAME = "vllm-gdn-hs"
+
+
+class UnsupportedVllmError(RuntimeError):
+    pass
+
+
+@functools.cache
+def supported_vllm() -> SpecifierSet:
+    """The vLLM versions this plugin supports, from its own package metadata."""
+    for line in metadata.requires(DIST_NAME) or []:
+        req = Requirement(line)
+        if req.name == "vllm" and not req.marker:
+            return req.specifier
+    raise RuntimeError(f"{DIST_NAME} metadata has no vllm requirement; reinstall {DIST_NAME}")
+
+
+def installed_vllm() -> Version | None:
+    try:
+        return Version(metadata.version("vllm"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_vllm(version: Version | None = None) -> Version:
+    """Return the installed vLLM version, or raise naming the supported ones."""
+    version = version if version is not None else installed_vllm()
+    spec = supported_vllm()
+    if version is None:
+        raise UnsupportedVllmError(f"vLLM is not installed; {DIST_NAME} needs vllm{spec}")
+    # Compare the release only: local builds (0.20.1+cu130) are the same release.
+    if Version(version.base_version) not in spec:
+        raise UnsupportedVllmError(
+            f"{DIST_NAME} supports vllm{spec}, found vllm {version}. "
+            f"Install a supported release: pip install 'vllm{spec}'"
+        )
+    return version
