@@ -78,6 +78,8 @@ WARMUP_PROMPTS = 8
 TOKEN_RANGE = (1000, 150000)  # random prompt ids, clear of special and image/video token ids
 KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# "ValueError: ..." alone or after the engine core's "(EngineCore_DP0 pid=123) " prefix
+ERROR_LINE_RE = re.compile(r"(?:^|\) )([\w.]*(?:Error|Exception): .*)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -609,6 +611,16 @@ def kv_cache_info(log: str) -> dict:
     )
 
 
+def error_summary(error: str, log: str) -> str:
+    """One line: the error, or for a failed vLLM engine core the root cause from its log."""
+    last = (error.strip().splitlines() or ["error"])[-1]
+    if "Engine core initialization failed" not in last:
+        return last
+    causes = [m[1] for m in map(ERROR_LINE_RE.search, log.splitlines()) if m]
+    causes = [c for c in causes if "Engine core" not in c]
+    return causes[-1].strip() if causes else last
+
+
 def merge_results(path: str, new: list[dict]) -> None:
     records = []
     if os.path.exists(path):
@@ -756,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {variant}: LLM(**{engine_kwargs(spec)})", flush=True)
         if args.dry_run:
             continue
-        log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{mode}.log")
+        vmode = "eager" if variant == "hf" else mode  # transformers runs eagerly
+        log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{vmode}.log")
         t0 = time.time()
         rc, log = run_child(cmd, log_path, args.timeout, env)
         wait_gpu_released()
@@ -780,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
             r.update(
                 common,
                 variant=variant,
-                mode="eager" if variant == "hf" else mode,
+                mode=vmode,
                 log=log_path,
                 wall_s=round(time.time() - t0, 1),
                 flags=dict(
@@ -791,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
                 **(kv_cache_info(log) if variant != "hf" else {}),
             )
             if r.get("error"):
-                r["log_tail"] = tail
+                r.update(error_summary=error_summary(r["error"], log), log_tail=tail)
         merge_results(args.results, records)
         print(f"[bench] {variant}: {len(records)} records -> {args.results}", flush=True)
     print("[bench] summary (report: python benchmarks/report.py " + args.results + ")")

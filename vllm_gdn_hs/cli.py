@@ -17,10 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="check the install; works without a GPU")
     doc.add_argument("--model", help="a HF model folder to inspect (hybrid? layers? hidden size?)")
-    sub.add_parser("launch", help="start vllm serve for hidden-state extraction "
-                   "(drop-in for speculators' launch_vllm.py)")
-    demo = sub.add_parser("demo", help="extract hidden states from a tiny hybrid model on the "
-                          "GPU and check them against HF transformers")
+    sub.add_parser(
+        "launch",
+        help="start vllm serve for hidden-state extraction "
+        "(drop-in for speculators' launch_vllm.py)",
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="extract hidden states from a tiny hybrid model on the "
+        "GPU and check them against HF transformers",
+    )
     demo.add_argument("--workdir", default="/tmp/vllm_gdn_hs_demo")
     args = parser.parse_args(argv)
     if args.command == "doctor":

@@ -88,8 +88,9 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             '"num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
             '{"eagle_aux_hidden_state_layer_ids": [...]}}}\''
         )
-    layer_ids = list(getattr(spec.draft_model_config.hf_config,
-                             "eagle_aux_hidden_state_layer_ids", None) or [])
+    layer_ids = list(
+        getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None) or []
+    )
     n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError(
@@ -225,22 +226,33 @@ def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) 
 class _Slot:
     hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
     num_computed: torch.Tensor  # pinned [max_reqs] int32
-    copied: torch.cuda.Event
+    copied: torch.cuda.Event | None  # None on CPU
     free: threading.Event
 
 
 class HiddenStatesWriter:
     """Device-to-host copies, the drain thread and the file writers of one worker."""
 
-    def __init__(self, cfg: HiddenStatesConfig, max_tokens: int, max_reqs: int,
-                 num_layers: int, hidden: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        cfg: HiddenStatesConfig,
+        max_tokens: int,
+        max_reqs: int,
+        num_layers: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.cfg, self.num_layers, self.hidden, self.dtype = cfg, num_layers, hidden, dtype
-        self.stream = torch.cuda.Stream(device=device)
+        # On CUDA: pinned host buffers filled by a side stream. On CPU (tests)
+        # the same path runs with plain copies.
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if cuda else None
         self.slots = [
             _Slot(
-                torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=True),
-                torch.empty(max_reqs, dtype=torch.int32, pin_memory=True),
-                torch.cuda.Event(),
+                torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=cuda),
+                torch.empty(max_reqs, dtype=torch.int32, pin_memory=cuda),
+                torch.cuda.Event() if cuda else None,
                 threading.Event(),
             )
             for _ in range(cfg.host_buffers)
@@ -270,12 +282,18 @@ class HiddenStatesWriter:
         for req in meta.new_requests:
             if req.req_id not in self.requests:
                 self.requests[req.req_id] = _RequestBuffer(
-                    req, self.num_layers, self.hidden, self.dtype)
+                    req, self.num_layers, self.hidden, self.dtype
+                )
         for fin in meta.finished_requests:
             self.tasks.put(("finish", fin))
 
-    def save(self, hidden_states: torch.Tensor, req_ids: list[str],
-             query_start_loc_cpu: torch.Tensor, num_computed_tokens: torch.Tensor) -> None:
+    def save(
+        self,
+        hidden_states: torch.Tensor,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        num_computed_tokens: torch.Tensor,
+    ) -> None:
         num_tokens = hidden_states.shape[0]
         num_reqs = len(req_ids)
         slot = self.slots[self.next_slot]
@@ -283,22 +301,24 @@ class HiddenStatesWriter:
         if not slot.free.is_set():  # host back-pressure: the drain thread is behind
             slot.free.wait()
         slot.free.clear()
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
-            slot.num_computed[:num_reqs].copy_(num_computed_tokens, non_blocking=True)
-            slot.copied.record(self.stream)
-        num_computed_tokens.record_stream(self.stream)
-        self.last_copy = slot.copied
+        if self.stream is None:
+            slot.hidden_states[:num_tokens].copy_(hidden_states)
+            slot.num_computed[:num_reqs].copy_(num_computed_tokens)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
+                slot.num_computed[:num_reqs].copy_(num_computed_tokens, non_blocking=True)
+                slot.copied.record(self.stream)
+            num_computed_tokens.record_stream(self.stream)
+            self.last_copy = slot.copied
         self.tasks.put(("rows", slot, req_ids, query_start_loc_cpu.tolist()))
 
     def close(self, timeout: float = 600.0) -> None:
         done = threading.Event()
         self.tasks.put(("flush", done))
         if not done.wait(timeout):
-            logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME,
-                         timeout)
+            logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME, timeout)
         self.pool.shutdown(wait=True)
         for buf in self.requests.values():  # never finished: leave no lock behind
             _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
@@ -311,11 +331,11 @@ class HiddenStatesWriter:
             try:
                 getattr(self, "_on_" + task[0])(*task[1:])
             except Exception:
-                logger.exception("%s: hidden-state drain task %s failed", CONNECTOR_NAME,
-                                 task[0])
+                logger.exception("%s: hidden-state drain task %s failed", CONNECTOR_NAME, task[0])
 
     def _on_rows(self, slot: _Slot, req_ids: list[str], qsl: list[int]) -> None:
-        slot.copied.synchronize()
+        if slot.copied is not None:
+            slot.copied.synchronize()
         try:
             num_computed = slot.num_computed[: len(req_ids)].tolist()
             for i, req_id in enumerate(req_ids):
@@ -357,8 +377,13 @@ class HiddenStatesWriter:
             write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
             ok = True
         except Exception as e:
-            logger.error("%s: request %s: no hidden-states file written to %s: %s",
-                         CONNECTOR_NAME, buf.req.req_id, path, e)
+            logger.error(
+                "%s: request %s: no hidden-states file written to %s: %s",
+                CONNECTOR_NAME,
+                buf.req.req_id,
+                path,
+                e,
+            )
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
             _release_lock(buf.lock_fd, path + ".lock", remove=not ok)
@@ -370,11 +395,17 @@ class HiddenStatesWriter:
                 now = time.monotonic()
                 if now - self.last_log > 30:
                     self.last_log = now
-                    logger.info("%s: %d files (%.2f GB) written, %d failed, %d dropped, "
-                                "%d writing, %d requests in flight", CONNECTOR_NAME,
-                                self.stats["files"], self.stats["bytes"] / 1e9,
-                                self.stats["failed"], self.stats["dropped"],
-                                self.pending_writes, len(self.requests))
+                    logger.info(
+                        "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
+                        "%d writing, %d requests in flight",
+                        CONNECTOR_NAME,
+                        self.stats["files"],
+                        self.stats["bytes"] / 1e9,
+                        self.stats["failed"],
+                        self.stats["dropped"],
+                        self.pending_writes,
+                        len(self.requests),
+                    )
 
 
 # ---------------------------------------------------------------------------
@@ -385,8 +416,12 @@ class HiddenStatesWriter:
 class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     """Writes each request's hidden states to one safetensors file."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = config_from(vllm_config)
         self.layer_ids = validate_vllm_config(vllm_config)
@@ -398,8 +433,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._writer: HiddenStatesWriter | None = None
         if role == KVConnectorRole.SCHEDULER:
             check_storage_path(self.storage_path)
-            logger.info("%s: layers %s -> %s", CONNECTOR_NAME, self.layer_ids,
-                        self.storage_path)
+            logger.info("%s: layers %s -> %s", CONNECTOR_NAME, self.layer_ids, self.storage_path)
         elif self._is_writer_rank():
             self._writer = self._make_writer(vllm_config)
 
@@ -418,7 +452,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             num_layers=len(self.layer_ids),
             hidden=vllm_config.model_config.get_hidden_size(),
             dtype=vllm_config.model_config.dtype,
-            device=torch.device("cuda", torch.cuda.current_device()),
+            device=torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu"),
         )
 
     # ==============================
@@ -434,9 +470,13 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if self._writer is not None:
             self._writer.wait_staging_free()
 
-    def save_hidden_states(self, hidden_states: torch.Tensor, req_ids: list[str],
-                           query_start_loc_cpu: torch.Tensor,
-                           num_computed_tokens: torch.Tensor) -> None:
+    def save_hidden_states(
+        self,
+        hidden_states: torch.Tensor,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        num_computed_tokens: torch.Tensor,
+    ) -> None:
         """Called by the patched proposer with one step's rows, in batch order."""
         if self._writer is not None:
             self._writer.save(hidden_states, req_ids, query_start_loc_cpu, num_computed_tokens)
@@ -444,8 +484,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         pass  # nothing lives in the KV cache
 
     def wait_for_save(self) -> None:
@@ -459,12 +500,14 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     # ==============================
     # Scheduler side
     # ==============================
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if request.request_id not in self._paths:  # first allocation of this request
             self._paths[request.request_id] = self._path_for(request)
 
@@ -476,7 +519,10 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning(
                 "%s: request %s asks for hidden_states_path %s, ignored: set "
                 '"allow_custom_save_path": true in kv_connector_extra_config to allow it',
-                CONNECTOR_NAME, request.request_id, custom)
+                CONNECTOR_NAME,
+                request.request_id,
+                custom,
+            )
         return os.path.join(self.storage_path, f"{request.request_id}.safetensors")
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -489,9 +535,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             meta.new_requests.append(NewRequest(new.req_id, path, len(new.prompt_token_ids or ())))
         return meta
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         path = self._paths.pop(request.request_id, None)
@@ -508,6 +554,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._finished.append(FinishedRequest(request.request_id, token_ids))
         return False, {"hidden_states_path": path}
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

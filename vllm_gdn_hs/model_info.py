@@ -55,7 +55,9 @@ def _load_config_dict(model: str, trust_remote_code: bool = False) -> dict:
             with open(path) as f:
                 return json.load(f)
         except FileNotFoundError:
-            raise ModelConfigError(f"{model} has no config.json: is it a HF model folder?") from None
+            raise ModelConfigError(
+                f"{model} has no config.json: is it a HF model folder?"
+            ) from None
         except (OSError, json.JSONDecodeError) as e:
             raise ModelConfigError(f"cannot read {path}: {e}") from None
     if os.path.exists(model):

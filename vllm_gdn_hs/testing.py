@@ -13,8 +13,9 @@ import os
 
 # Image/video ids must lie inside the vocabulary for vLLM to load the model.
 _VOCAB = 1024
-_MM_IDS = dict(image_token_id=1000, video_token_id=1001, vision_start_token_id=1002,
-               vision_end_token_id=1003)
+_MM_IDS = dict(
+    image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003
+)
 
 
 def hybrid_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> dict:
@@ -23,34 +24,77 @@ def hybrid_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> di
         for i in range(num_hidden_layers)
     ]
     text = dict(
-        model_type="qwen3_5_text", vocab_size=_VOCAB, hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4,
-        layer_types=layer_types, attn_output_gate=True, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
-                             partial_rotary_factor=0.25, mrope_interleaved=True,
-                             mrope_section=[4, 2, 2]),
+        model_type="qwen3_5_text",
+        vocab_size=_VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        layer_types=layer_types,
+        attn_output_gate=True,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000000.0,
+            partial_rotary_factor=0.25,
+            mrope_interleaved=True,
+            mrope_section=[4, 2, 2],
+        ),
         dtype="bfloat16",
     )
-    vision = dict(model_type="qwen3_5_vision", depth=1, hidden_size=64, intermediate_size=128,
-                  num_heads=2, in_channels=3, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=hidden_size,
-                  num_position_embeddings=64)
-    return dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
-                text_config=text, vision_config=vision, tie_word_embeddings=False,
-                dtype="bfloat16", **_MM_IDS)
+    vision = dict(
+        model_type="qwen3_5_vision",
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden_size,
+        num_position_embeddings=64,
+    )
+    return dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        **_MM_IDS,
+    )
 
 
 def dense_config_dict(num_hidden_layers: int = 6, hidden_size: int = 256) -> dict:
-    return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=_VOCAB,
-                hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_hidden_layers, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
-                rope_theta=1000000.0, dtype="bfloat16")
+    return dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=_VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        dtype="bfloat16",
+    )
 
 
 def write_config(path: str, config: dict) -> str:

@@ -40,16 +40,12 @@ def _set_default_chunked_prefill_and_prefix_caching_args(self: EngineArgs, *args
     result = _orig(self, *args, **kwargs)
     if unset and _connector_name(self.kv_transfer_config) == CONNECTOR_NAME:
         if self.enable_prefix_caching:
-            logger.info("%s: prefix caching off (cached prefixes have no hidden states)",
-                        CONNECTOR_NAME)
+            logger.info(
+                "%s: prefix caching off (cached prefixes have no hidden states)", CONNECTOR_NAME
+            )
         self.enable_prefix_caching = False
     return result
 
 
-PATCH = Patch(
-    EngineArgs,
-    {
-        "_set_default_chunked_prefill_and_prefix_caching_args":
-            _set_default_chunked_prefill_and_prefix_caching_args
-    },
-)
+_NAME = "_set_default_chunked_prefill_and_prefix_caching_args"
+PATCH = Patch(EngineArgs, {_NAME: _set_default_chunked_prefill_and_prefix_caching_args})

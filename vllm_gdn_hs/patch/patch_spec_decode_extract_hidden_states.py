@@ -68,21 +68,27 @@ def load_model(self, target_model) -> None:
     # No draft model: its cache-only layer would get KV cache pages.
 
 
-def propose(self, sampled_token_ids, target_hidden_states, common_attn_metadata,
-            slot_mappings=None):
+def propose(
+    self, sampled_token_ids, target_hidden_states, common_attn_metadata, slot_mappings=None
+):
     if not self.streams_hidden_states:
-        return _orig_propose(self, sampled_token_ids, target_hidden_states,
-                             common_attn_metadata, slot_mappings)
+        return _orig_propose(
+            self, sampled_token_ids, target_hidden_states, common_attn_metadata, slot_mappings
+        )
     num_tokens = target_hidden_states[0].shape[0]
     self._connector.wait_staging_free()  # GPU-side wait for last step's copy out
-    torch.stack([target_hidden_states[i] for i in self.aux_layer_order], dim=1,
-                out=self.hidden_states[:num_tokens])
+    torch.stack(
+        [target_hidden_states[i] for i in self.aux_layer_order],
+        dim=1,
+        out=self.hidden_states[:num_tokens],
+    )
     self._staged = (num_tokens, common_attn_metadata)
     return sampled_token_ids[:, :1]
 
 
-def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch,
-                                  discard_request_mask):
+def prepare_next_token_ids_padded(
+    self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask
+):
     if self._staged is not None:
         num_tokens, cm = self._staged
         self._staged = None
@@ -93,8 +99,7 @@ def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_b
             query_start_loc_cpu=cm.query_start_loc_cpu[: num_reqs + 1],
             num_computed_tokens=cm.compute_num_computed_tokens()[:num_reqs],
         )
-    return _orig_prepare(self, sampled_token_ids, requests, gpu_input_batch,
-                         discard_request_mask)
+    return _orig_prepare(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
 
 
 def dummy_run(self, *args, **kwargs) -> None:

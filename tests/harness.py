@@ -1,0 +1,161 @@
+"""Real vLLM 0.20.1 configs, KV cache specs and schedulers on a machine without a GPU.
+
+vLLM's CUDA wheel sees no GPU here, so its platform is "unspecified" and
+``EngineArgs.create_engine_config()`` fails. We install vLLM's own
+``CpuPlatform`` as the current platform (it supports the hybrid KV cache
+manager), build the target model's layers on the meta device (no weights, no
+kernels), and ask each real layer for its KV cache spec, then run vLLM's
+``get_kv_cache_configs`` and ``Scheduler``. Block sizes are aligned with the
+generic ``Platform.update_block_size_for_backend``, the step the GPU
+executors run after building the model (CpuPlatform skips it).
+
+Import this module before anything else from vLLM (``tests/conftest.py`` does).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import vllm.platforms
+from vllm.platforms.cpu import CpuPlatform
+
+vllm.platforms.current_platform = CpuPlatform()
+
+import torch  # noqa: E402
+from vllm.config import VllmConfig, get_layers_from_vllm_config, set_current_vllm_config  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from vllm_gdn_hs.model_info import read_model_info  # noqa: E402
+
+STOCK = "ExampleHiddenStatesConnector"
+OURS = "HybridHiddenStatesConnector"
+
+
+def engine_args(
+    model: str,
+    layer_ids=(1, 4, 8),
+    connector: str | None = OURS,
+    storage: str = "/tmp/hidden_states_test",
+    **kw,
+) -> EngineArgs:
+    extra = {}
+    if layer_ids is not None:
+        extra["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+            },
+        }
+    if connector is not None:
+        extra["kv_transfer_config"] = {
+            "kv_connector": connector,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": storage},
+        }
+    kw.setdefault("max_model_len", 2048)
+    if read_model_info(model).multimodal:
+        kw.setdefault("language_model_only", True)
+    return EngineArgs(model=model, skip_tokenizer_init=True, **extra, **kw)
+
+
+def engine_config(model: str, **kw) -> VllmConfig:
+    return engine_args(model, **kw).create_engine_config()
+
+
+_dist_ready = False
+
+
+def _init_dist(vllm_config: VllmConfig) -> None:
+    global _dist_ready
+    if _dist_ready:
+        return
+    from vllm.distributed.parallel_state import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"file://{tempfile.mktemp()}",
+    )
+    ensure_model_parallel_initialized(1, 1)
+    _dist_ready = True
+
+
+def _load_drafter(vllm_config: VllmConfig) -> None:
+    """Run the real (possibly patched) ``ExtractHiddenStatesProposer.load_model``.
+
+    Only its edges are replaced: weights (``get_model`` builds the draft model
+    on the meta device) and the worker-side connector object.
+    """
+    from unittest import mock
+
+    import vllm.distributed.kv_transfer as kv_transfer
+    import vllm.v1.spec_decode.extract_hidden_states as ehs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    def get_model(*, vllm_config, model_config):
+        return initialize_model(vllm_config=vllm_config, model_config=model_config)
+
+    proposer = object.__new__(ehs.ExtractHiddenStatesProposer)
+    proposer.vllm_config, proposer.device = vllm_config, torch.device("cpu")
+    proposer.streams_hidden_states = (
+        vllm_config.kv_transfer_config is not None
+        and vllm_config.kv_transfer_config.kv_connector == OURS
+        and getattr(ehs.ExtractHiddenStatesProposer, "_vllm_gdn_hs_patched", False)
+    )
+    with (
+        mock.patch.object(ehs, "get_model", get_model),
+        mock.patch.object(kv_transfer, "has_kv_transfer_group", lambda: True),
+        mock.patch.object(kv_transfer, "get_kv_transfer_group", lambda: object()),
+    ):
+        proposer.load_model(None)
+    return proposer
+
+
+def kv_cache_specs(vllm_config: VllmConfig) -> dict:
+    """Each attention-like layer's real KV cache spec, as the GPU runner collects
+    them: target model first, then the extract_hidden_states drafter."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms.interface import Platform
+
+    with set_current_vllm_config(vllm_config):
+        _init_dist(vllm_config)
+        with torch.device("meta"):
+            initialize_model(vllm_config=vllm_config)
+            spec = vllm_config.speculative_config
+            if spec is not None and spec.method == "extract_hidden_states":
+                _load_drafter(vllm_config)
+        Platform.update_block_size_for_backend.__func__(
+            type(vllm.platforms.current_platform), vllm_config
+        )
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+        return {name: layer.get_kv_cache_spec(vllm_config) for name, layer in layers.items()}
+
+
+def kv_cache_config(vllm_config: VllmConfig, specs: dict | None = None, memory: int = 1 << 30):
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    specs = kv_cache_specs(vllm_config) if specs is None else specs
+    return get_kv_cache_configs(vllm_config, [specs], [memory])[0]
+
+
+def scheduler(vllm_config: VllmConfig, kv_cache_config_=None):
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    kcc = kv_cache_config_ or kv_cache_config(vllm_config)
+    vllm_config.cache_config.num_gpu_blocks = kcc.num_blocks
+    with set_current_vllm_config(vllm_config):
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=vllm_config.cache_config.block_size,
+            log_stats=False,
+        )
