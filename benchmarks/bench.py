@@ -424,7 +424,7 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
     cfg = AutoConfig.from_pretrained(spec["model_dir"])
     cfg = getattr(cfg, "text_config", cfg)
     with torch.device(dev):
-        model = AutoModel.from_config(cfg, dtype=torch.bfloat16).eval()
+        model = AutoModel.from_config(cfg, dtype=torch.bfloat16).to(dev).eval()
     if dev == "cuda":
         torch.cuda.synchronize()
     startup = dict(
@@ -482,7 +482,8 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
             try:
                 batches = [order[i : i + bs] for i in range(0, len(order), bs)]
                 reset_dir(out_dir)
-                run_batch([all_ids[i] for i in batches[0]], None)  # warm-up: largest batch
+                for n in (1024, 1023):  # warm-up; Triton specialises lengths on n % 16 == 0
+                    run_batch([all_ids[i][:n] for i in batches[0]], None)
                 if dev == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 poller.take()
@@ -579,15 +580,17 @@ def run_child(cmd: list[str], log_path: str, timeout: float, env: dict) -> tuple
 
     reader = threading.Thread(target=tee, daemon=True)
     reader.start()
+    rc = None
     try:
         rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        rc = None
-    try:  # the child and whatever it left behind (the engine core), by our group id
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
         pass
-    proc.wait()
+    finally:  # the child and whatever it left behind (the engine core), by our group id
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     reader.join(timeout=30)
     with open(log_path, errors="replace") as f:
         return rc, ANSI_RE.sub("", f.read())
@@ -677,7 +680,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=540, help="hard limit per variant, seconds")
-    p.add_argument("--drain-timeout", type=float, default=300)
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=0,
+        help="seconds for the whole command (e.g. 570 inside a 10-minute call): a variant gets "
+        "at most what is left, so the group ends with error records instead of being killed",
+    )
+    p.add_argument("--drain-timeout", type=float, default=120)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -743,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
     tmpdir = tempfile.mkdtemp(prefix="vllm_gdn_hs_bench_")
+    deadline, summary = time.time() + args.budget, []
     for variant in args.variants:
         spec = dict(
             variant=variant,
@@ -771,18 +782,24 @@ def main(argv: list[str] | None = None) -> int:
         vmode = "eager" if variant == "hf" else mode  # transformers runs eagerly
         log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{vmode}.log")
         t0 = time.time()
-        rc, log = run_child(cmd, log_path, args.timeout, env)
-        wait_gpu_released()
+        timeout = args.timeout
+        if args.budget:
+            timeout = min(timeout, deadline - t0 - 20)  # 20 s to kill, wait and write results
+        rc, log, skip = None, "", args.budget and timeout < 30
+        if not skip:
+            rc, log = run_child(cmd, log_path, timeout, env)
+            wait_gpu_released()
         records = []
         if os.path.exists(spec["result_file"]):
             with open(spec["result_file"]) as f:
                 records = json.load(f)
         done = {r["workload"] for r in records}
-        why = (
-            f"timed out after {args.timeout:.0f} s (--timeout)"
-            if rc is None
-            else f"worker exited with status {rc}"
-        )
+        if skip:
+            why = f"skipped: not started, {deadline - t0:.0f} s left of --budget {args.budget:.0f}"
+        elif rc is None:
+            why = f"timed out after {timeout:.0f} s (--timeout/--budget)"
+        else:
+            why = f"worker exited with status {rc}"
         records += [
             dict(make_workload(n, args.seed).stats(), error=why)
             for n in args.workloads
@@ -806,25 +823,23 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("error"):
                 r.update(error_summary=error_summary(r["error"], log), log_tail=tail)
         merge_results(args.results, records)
+        summary += records
         print(f"[bench] {variant}: {len(records)} records -> {args.results}", flush=True)
-    print("[bench] summary (report: python benchmarks/report.py " + args.results + ")")
-    if not args.dry_run:
-        with open(args.results) as f:
-            data = json.load(f)["records"]
-        for r in data[-50:]:
-            if r["date"] != common["date"]:
-                continue
-            res = (
-                (r["error"].strip().splitlines() or ["error"])[-1][:150]
-                if r.get("error")
-                else (
-                    f"{r['prompt_tokens'] / r['gen_s']:10,.0f} tok/s  drain {r['drain_s']:6.2f} s  "
-                    f"KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
-                )
-            )
-            bs = r.get("batch_size", "-")
-            print(f"  {r['variant']:9s} {r['workload']:13s} bs={bs!s:3s} {res}")
+    if args.dry_run:
+        print(f"[bench] dry run: worker specs kept in {tmpdir}")
+        return 0
     shutil.rmtree(tmpdir, ignore_errors=True)
+    print(f"[bench] summary; table: python benchmarks/report.py {args.results}")
+    for r in summary:
+        if r.get("error"):
+            res = r["error_summary"][:150]
+        else:
+            res = (
+                f"{r['prompt_tokens'] / r['gen_s']:9,.0f} tok/s  drain {r['drain_s']:6.2f} s  "
+                f"KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
+            )
+        bs = r.get("batch_size", "-")
+        print(f"  {r['variant']:9s} {r['workload']:13s} bs={bs!s:3s} {res}")
     return 0
 
 

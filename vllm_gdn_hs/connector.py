@@ -325,6 +325,7 @@ class HiddenStatesWriter:
         self.requests.clear()
 
     # -- drain thread -----------------------------------------------------
+    @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _drain_loop(self) -> None:
         while True:
             task = self.tasks.get()
@@ -363,6 +364,7 @@ class HiddenStatesWriter:
         done.set()
 
     # -- writer threads -----------------------------------------------------
+    @torch.inference_mode()
     def _write(self, buf: _RequestBuffer, token_ids: list[int]) -> None:
         path, n = buf.req.path, len(token_ids)
         ok = False

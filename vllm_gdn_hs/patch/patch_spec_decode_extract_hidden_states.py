@@ -60,12 +60,19 @@ def __init__(self, vllm_config, device) -> None:
 def load_model(self, target_model) -> None:
     if not self.streams_hidden_states:
         return _orig_load_model(self, target_model)
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    # No draft model: its cache-only layer would get KV cache pages. The
+    # worker-side connector is created after the KV cache, so it is looked
+    # up at the first step.
 
-    if not has_kv_transfer_group():
-        raise RuntimeError(f"{CONNECTOR_NAME} is configured but no KV connector was created")
-    self._connector = get_kv_transfer_group()
-    # No draft model: its cache-only layer would get KV cache pages.
+
+def _get_connector(self):
+    if self._connector is None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            raise RuntimeError(f"{CONNECTOR_NAME} is configured but no KV connector exists")
+        self._connector = get_kv_transfer_group()
+    return self._connector
 
 
 def propose(
@@ -76,7 +83,7 @@ def propose(
             self, sampled_token_ids, target_hidden_states, common_attn_metadata, slot_mappings
         )
     num_tokens = target_hidden_states[0].shape[0]
-    self._connector.wait_staging_free()  # GPU-side wait for last step's copy out
+    _get_connector(self).wait_staging_free()  # GPU-side wait for last step's copy out
     torch.stack(
         [target_hidden_states[i] for i in self.aux_layer_order],
         dim=1,

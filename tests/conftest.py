@@ -1,0 +1,114 @@
+"""Shared test setup: the CPU harness, tiny model folders and the `gpu` marker.
+
+Run: cd /work/main && python -m pytest tests -q -m "not gpu" (CPU only, no network).
+On the device: python -m pytest tests -q -m gpu.
+
+Two modes, chosen by whether torch sees a CUDA GPU:
+
+- No GPU (CI, laptops): ``harness`` is imported first; it installs vLLM's CpuPlatform
+  before any other vLLM module looks at the platform. Tests marked ``gpu`` are skipped,
+  with the reason.
+- A GPU is visible: the CpuPlatform switch is process-wide and would break in-process
+  GPU engines, so the harness is not imported and test files that import it are not
+  collected. Run those on a CPU machine, or here with ``CUDA_VISIBLE_DEVICES=``.
+
+Either way the plugin is loaded once, through vLLM's own loader, so the runtime patches
+are on for every test whatever the order (``EngineArgs`` and ``LLM`` would load it anyway
+on first use). Tests of stock vLLM (no plugin) run in a fresh interpreter with
+``VLLM_PLUGINS=""``: the ``run_python`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+GPU = torch.cuda.is_available()
+
+if not GPU:
+    import harness  # noqa: F401  (must come before any other vLLM import)
+
+import vllm.plugins  # noqa: E402
+
+import vllm_gdn_hs  # noqa: E402
+
+vllm.plugins.load_general_plugins()
+if not vllm_gdn_hs._registered:
+    raise RuntimeError(
+        "vLLM's plugin loader did not load vllm_gdn_hs: is it installed (pip install -e .) "
+        "and not excluded by VLLM_PLUGINS?"
+    )
+
+from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config  # noqa: E402
+
+
+def _imports_harness(path) -> bool:
+    try:
+        with open(path) as f:
+            return any(line.startswith("import harness") for line in f)
+    except OSError:
+        return False
+
+
+def pytest_ignore_collect(collection_path, config):
+    if GPU and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return _imports_harness(collection_path) or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible); run on the device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory) -> str:
+    """Tiny multimodal Qwen3.5 (8 layers: GDN x3 + full attention, twice), config only."""
+    return write_config(str(tmp_path_factory.mktemp("models") / "hybrid"), hybrid_config_dict())
+
+
+@pytest.fixture(scope="session")
+def dense_model(tmp_path_factory) -> str:
+    """Tiny Qwen3 (8 layers: speculators' default ids for 6 layers repeat one)."""
+    path = str(tmp_path_factory.mktemp("models") / "dense")
+    return write_config(path, dense_config_dict(num_hidden_layers=8))
+
+
+def _run_python(code: str, *, plugins: bool, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, with tests/ on its path.
+
+    ``plugins=False`` sets ``VLLM_PLUGINS=""`` so vLLM loads no general plugin: that
+    process sees stock vLLM, without our patches or connector.
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    if plugins:
+        env.pop("VLLM_PLUGINS", None)
+    else:
+        env["VLLM_PLUGINS"] = ""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def run_python():
+    """``run_python(code, plugins=...)``: a fresh interpreter (see :func:`_run_python`)."""
+    return _run_python

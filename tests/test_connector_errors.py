@@ -1,0 +1,156 @@
+"""Every startup error of HybridHiddenStatesConnector names the fix; CPU only.
+
+Run: cd /work/main && python -m pytest tests/test_connector_errors.py -q (no GPU, no network).
+Covers, on real VllmConfigs of the tiny models built through EngineArgs: no speculative
+config, another speculative method, layer ids out of range / repeated / missing, pipeline
+parallelism, prefix caching on, an unwritable storage path, and bad kv_connector_extra_config
+keys or values (pydantic, extra="forbid"). Both roles are checked where they differ.
+"""
+
+from __future__ import annotations
+
+import os
+
+import harness
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from vllm_gdn_hs.connector import HiddenStatesConfig, HybridHiddenStatesConnector, config_from
+
+
+def make(cfg, role=KVConnectorRole.SCHEDULER):
+    return HybridHiddenStatesConnector(cfg, role)
+
+
+def test_valid_config_starts(hybrid_model, tmp_path):
+    storage = tmp_path / "new" / "folder"
+    cfg = harness.engine_config(hybrid_model, storage=str(storage), layer_ids=(8, 1, 4))
+    conn = make(cfg)
+    assert conn.layer_ids == [8, 1, 4]
+    assert conn.storage_path == str(storage)
+    assert storage.is_dir() and os.listdir(storage) == []  # created, probe removed
+
+
+def test_no_speculative_config(hybrid_model, tmp_path):
+    cfg = harness.engine_config(hybrid_model, layer_ids=None, storage=str(tmp_path))
+    assert cfg.speculative_config is None
+    with pytest.raises(ValueError) as e:
+        make(cfg)
+    msg = str(e.value)
+    assert "needs the extract_hidden_states speculative method" in msg
+    assert "--speculative-config" in msg and '"method": "extract_hidden_states"' in msg
+    assert "eagle_aux_hidden_state_layer_ids" in msg
+
+
+def test_wrong_speculative_method(hybrid_model, tmp_path):
+    cfg = harness.engine_config(
+        hybrid_model,
+        layer_ids=None,
+        storage=str(tmp_path),
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        },
+    )
+    assert cfg.speculative_config.method == "ngram"
+    with pytest.raises(ValueError, match="needs the extract_hidden_states speculative method"):
+        make(cfg)
+
+
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        (
+            (1, 4, 9),
+            "layer ids [9] are out of range: this model has 8 layers, so ids must be in 0..8",
+        ),
+        ((-1, 4, 8), "layer ids [-1] are out of range"),
+        ((1, 4, 4, 8), "layer ids [4] are repeated; give each layer id once"),
+    ],
+)
+def test_bad_layer_ids(hybrid_model, tmp_path, ids, expected):
+    cfg = harness.engine_config(hybrid_model, layer_ids=ids, storage=str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        make(cfg)
+    msg = str(e.value)
+    assert msg.startswith("HybridHiddenStatesConnector: eagle_aux_hidden_state_layer_ids: ")
+    assert expected in msg
+
+
+def test_bad_layer_ids_dense(dense_model, tmp_path):
+    cfg = harness.engine_config(dense_model, layer_ids=(2, 4, 5, 9), storage=str(tmp_path))
+    with pytest.raises(ValueError, match=r"\[9\] are out of range: this model has 8 layers"):
+        make(cfg)
+
+
+def test_no_layer_ids(hybrid_model, tmp_path):
+    cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = []
+    with pytest.raises(ValueError, match="no layer ids given; pass at least one"):
+        make(cfg)
+
+
+def test_pipeline_parallel(hybrid_model, tmp_path):
+    # Qwen3.5 has no PP support in vLLM, so set PP on a built config, as a PP-capable
+    # model would have it.
+    cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError) as e:
+        make(cfg)
+    msg = str(e.value)
+    assert "does not support pipeline parallelism" in msg
+    assert "--tensor-parallel-size" in msg and "--pipeline-parallel-size" in msg
+
+
+def test_prefix_caching(dense_model, tmp_path):
+    cfg = harness.engine_config(dense_model, storage=str(tmp_path), enable_prefix_caching=True)
+    with pytest.raises(ValueError) as e:
+        make(cfg)
+    assert "does not support prefix caching" in str(e.value)
+    assert "--no-enable-prefix-caching" in str(e.value)
+
+
+def test_unwritable_storage_path(hybrid_model, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    storage = blocker / "hidden_states"
+    cfg = harness.engine_config(hybrid_model, storage=str(storage))
+    with pytest.raises(ValueError) as e:
+        make(cfg)
+    msg = str(e.value)
+    assert f"shared_storage_path {str(storage)!r} is not writable" in msg
+    assert "Not a directory" in msg
+    assert '"shared_storage_path": "..."' in msg and "--kv-transfer-config" in msg
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"shared_storage_pth": "/tmp/x"}, "shared_storage_pth"),
+        ({"host_buffers": 0}, "host_buffers"),
+        ({"write_workers": "many"}, "write_workers"),
+    ],
+)
+def test_bad_extra_config(hybrid_model, tmp_path, extra, expected):
+    cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    cfg.kv_transfer_config.kv_connector_extra_config.update(extra)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError) as e:
+            make(cfg, role)
+        msg = str(e.value)
+        assert msg.startswith("HybridHiddenStatesConnector: bad kv_connector_extra_config: ")
+        assert expected in msg
+
+
+def test_extra_config_forbids_unknown_keys():
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        HiddenStatesConfig(bogus=1)
+
+
+def test_extra_config_defaults(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS)
+    cfg.kv_transfer_config.kv_connector_extra_config.clear()
+    assert config_from(cfg) == HiddenStatesConfig(shared_storage_path="/tmp/hidden_states")

@@ -1,0 +1,433 @@
+"""The connector's worker side on CPU: HiddenStatesWriter, the .lock protocol, the files.
+
+Run: cd /work/main && python -m pytest tests/test_connector_worker.py -q (no GPU, no network).
+Covers HiddenStatesWriter end to end with device=cpu (the same drain thread and write pool
+as on a GPU; only the device-to-host copy is a plain copy): the lock is created and
+flock-held from the moment a request is known until its file is complete; rows of several
+requests per step, chunked prefill and overwritten positions; exact [T, L, H] bf16 files
+with int64 token ids; aborts, missing rows, NaN and all-zero rows, full disk and vanished
+folders leave no file, no temp file and no lock, are logged with the request id and do not
+stop other requests; close() drains everything. Also check_rows and write_file directly.
+The only fakes are at the disk edge (os.replace / safetensors raising ENOSPC).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_gdn_hs import connector as conn_mod
+from vllm_gdn_hs.connector import (
+    FinishedRequest,
+    HiddenStatesConfig,
+    HiddenStatesWriter,
+    HybridHiddenStatesConnectorMetadata,
+    NewRequest,
+    check_rows,
+    write_file,
+)
+
+L, H = 3, 16
+LOGGER = "vllm_gdn_hs.connector"
+
+
+@pytest.fixture
+def storage(tmp_path):
+    path = tmp_path / "hs"
+    path.mkdir()
+    return path
+
+
+def make_writer(storage, **cfg) -> HiddenStatesWriter:
+    return HiddenStatesWriter(
+        HiddenStatesConfig(shared_storage_path=str(storage), **cfg),
+        max_tokens=64,
+        max_reqs=8,
+        num_layers=L,
+        hidden=H,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+
+
+@pytest.fixture
+def writer(storage):
+    w = make_writer(storage)
+    yield w
+    w.close(timeout=30)
+
+
+_gen = torch.Generator().manual_seed(0)
+
+
+def rows(n: int) -> torch.Tensor:
+    return torch.randn(n, L, H, generator=_gen).bfloat16()
+
+
+def path_of(storage, req_id: str) -> str:
+    return os.path.join(storage, f"{req_id}.safetensors")
+
+
+def new(writer, storage, **reqs: int) -> None:
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            new_requests=[NewRequest(r, path_of(storage, r), n) for r, n in reqs.items()]
+        )
+    )
+
+
+def finish(writer, **reqs: list[int] | None) -> None:
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            finished_requests=[FinishedRequest(r, t) for r, t in reqs.items()]
+        )
+    )
+
+
+def save(writer, *chunks: tuple[str, int, torch.Tensor]) -> None:
+    """One step: (req_id, first position, rows) per request, in batch order."""
+    qsl = [0]
+    for _, _, r in chunks:
+        qsl.append(qsl[-1] + r.shape[0])
+    writer.save(
+        torch.cat([r for _, _, r in chunks]),
+        [c[0] for c in chunks],
+        torch.tensor(qsl, dtype=torch.int32),
+        torch.tensor([c[1] for c in chunks], dtype=torch.int32),
+    )
+
+
+def lock_state(path: str) -> str:
+    """'held', 'free' or 'absent': what speculators' reader would find at <path>.lock."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR)
+    except FileNotFoundError:
+        return "absent"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "held"
+    finally:
+        os.close(fd)  # closing drops our lock, if we got it
+    return "free"
+
+
+def leftovers(storage) -> list[str]:
+    return sorted(f for f in os.listdir(storage) if ".tmp-" in f)
+
+
+def test_new_request_creates_and_holds_lock(writer, storage):
+    path = path_of(storage, "a")
+    new(writer, storage, a=4)
+    assert lock_state(path) == "held"
+    fd = os.open(path + ".lock", os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    assert not os.path.exists(path)
+
+
+def test_two_requests_chunked_and_overwritten(writer, storage):
+    a, b = rows(5), rows(7)
+    b_redo = rows(2)  # positions 3 and 4 computed again (preemption / recompute)
+    new(writer, storage, a=5, b=7)
+    save(writer, ("a", 0, a), ("b", 0, b[:5]))  # b's first chunk
+    save(writer, ("b", 3, torch.cat([b_redo, b[5:]])))  # b's last chunk re-covers 3..4
+    finish(writer, a=[1, 2, 3, 4, 5], b=list(range(10, 17)))
+    writer.close()
+
+    expect_b = b.clone()
+    expect_b[3:5] = b_redo
+    for req, expect, tokens in (("a", a, [1, 2, 3, 4, 5]), ("b", expect_b, list(range(10, 17)))):
+        got = load_file(path_of(storage, req))
+        assert set(got) == {"hidden_states", "token_ids"}
+        assert got["hidden_states"].dtype == torch.bfloat16
+        assert got["hidden_states"].shape == (len(tokens), L, H)
+        assert torch.equal(got["hidden_states"], expect)
+        assert got["token_ids"].dtype == torch.int64
+        assert got["token_ids"].tolist() == tokens
+        assert lock_state(path_of(storage, req)) == "free"  # the reader deletes it
+    assert writer.stats["files"] == 2 and writer.stats["failed"] == 0
+    assert leftovers(storage) == []
+
+
+def test_output_tokens_grow_the_buffer(writer, storage):
+    # include_output_tokens: rows past the prompt (decode steps) are kept too.
+    prompt, d1, d2 = rows(3), rows(1), rows(1)
+    new(writer, storage, g=3)
+    save(writer, ("g", 0, prompt))
+    save(writer, ("g", 3, d1))
+    save(writer, ("g", 4, d2))
+    finish(writer, g=[7, 8, 9, 100, 101])
+    writer.close()
+    got = load_file(path_of(storage, "g"))
+    assert torch.equal(got["hidden_states"], torch.cat([prompt, d1, d2]))
+    assert got["token_ids"].tolist() == [7, 8, 9, 100, 101]
+
+
+def test_reader_gets_the_lock_only_once_the_file_is_complete(writer, storage):
+    path = path_of(storage, "r")
+    data = rows(6)
+    new(writer, storage, r=6)
+    seen = {}
+
+    def reader():  # speculators' protocol, blocking instead of polling
+        fd = os.open(path + ".lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        seen["file"] = load_file(path) if os.path.exists(path) else None
+        os.remove(path + ".lock")
+        os.close(fd)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    save(writer, ("r", 0, data[:2]))
+    save(writer, ("r", 2, data[2:]))
+    finish(writer, r=list(range(6)))
+    writer.close()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert seen["file"] is not None and torch.equal(seen["file"]["hidden_states"], data)
+    assert lock_state(path) == "absent"
+
+
+def test_aborted_request_leaves_nothing(writer, storage):
+    new(writer, storage, x=4, y=2)
+    y = rows(2)
+    save(writer, ("x", 0, rows(2)), ("y", 0, y))
+    finish(writer, x=None, y=[1, 2])
+    writer.close()
+    assert not os.path.exists(path_of(storage, "x"))
+    assert lock_state(path_of(storage, "x")) == "absent"
+    assert torch.equal(load_file(path_of(storage, "y"))["hidden_states"], y)
+    assert writer.stats["dropped"] == 1 and writer.stats["files"] == 1
+    # Rows for a request the writer no longer knows are ignored.
+    assert "x" not in writer.requests
+
+
+def test_missing_rows_refused(writer, storage, caplog):
+    caplog.set_level(logging.ERROR, logger=LOGGER)
+    new(writer, storage, m=5)
+    save(writer, ("m", 0, rows(3)))
+    finish(writer, m=[1, 2, 3, 4, 5])
+    writer.close()
+    path = path_of(storage, "m")
+    assert not os.path.exists(path) and lock_state(path) == "absent"
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "request m:" in msg and path in msg
+    assert "hidden states missing for token positions [3, 4]" in msg
+    assert writer.stats["failed"] == 1
+
+
+def test_token_ids_past_the_rows_refused(writer, storage, caplog):
+    new(writer, storage, p=2)
+    save(writer, ("p", 0, rows(2)))
+    finish(writer, p=[1, 2, 3, 4, 5])
+    writer.close()
+    assert not os.path.exists(path_of(storage, "p"))
+    assert any("beyond the rows computed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (float("nan"), "non-finite values at token positions [1]"),
+        (float("inf"), "non-finite values at token positions [1]"),
+        (0.0, "all-zero rows at token positions [1]"),
+    ],
+)
+def test_bad_rows_refused(writer, storage, caplog, value, why):
+    bad = rows(3)
+    bad[1] = value
+    new(writer, storage, n=3, ok=2)
+    ok = rows(2)
+    save(writer, ("n", 0, bad), ("ok", 0, ok))
+    finish(writer, n=[1, 2, 3], ok=[4, 5])
+    writer.close()
+    assert not os.path.exists(path_of(storage, "n"))
+    assert lock_state(path_of(storage, "n")) == "absent"
+    assert torch.equal(load_file(path_of(storage, "ok"))["hidden_states"], ok)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(msgs) == 1 and "request n:" in msgs[0] and why in msgs[0]
+
+
+def test_zero_rows_written_when_validation_is_off(storage):
+    w = make_writer(storage, validate_rows=False)
+    new(w, storage, z=2)
+    save(w, ("z", 0, torch.zeros(2, L, H, dtype=torch.bfloat16)))
+    finish(w, z=[1, 2])
+    w.close()
+    assert load_file(path_of(storage, "z"))["hidden_states"].abs().sum() == 0
+
+
+def test_full_disk_logged_and_others_written(writer, storage, caplog, monkeypatch):
+    real_replace = os.replace
+    full = path_of(storage, "full")
+
+    def replace(src, dst):
+        if dst == full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    good = rows(3)
+    new(writer, storage, full=3, good=3)
+    save(writer, ("full", 0, rows(3)), ("good", 0, good))
+    finish(writer, full=[1, 2, 3], good=[4, 5, 6])
+    writer.close()
+    assert not os.path.exists(full) and lock_state(full) == "absent"
+    assert torch.equal(load_file(path_of(storage, "good"))["hidden_states"], good)
+    assert leftovers(storage) == []
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(msgs) == 1
+    assert "request full:" in msgs[0] and "No space left on device" in msgs[0]
+    assert writer.stats["failed"] == 1 and writer.stats["files"] == 1
+
+
+def test_vanished_folder_logged_and_others_written(writer, storage, caplog):
+    sub = storage / "sub"
+    sub.mkdir()
+    gone = str(sub / "gone.safetensors")
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            new_requests=[
+                NewRequest("gone", gone, 2),
+                NewRequest("kept", path_of(storage, "kept"), 2),
+            ]
+        )
+    )
+    shutil.rmtree(sub)  # the folder disappears under the server
+    kept = rows(2)
+    save(writer, ("gone", 0, rows(2)), ("kept", 0, kept))
+    finish(writer, gone=[1, 2], kept=[3, 4])
+    writer.close()
+    assert not os.path.exists(gone)
+    assert torch.equal(load_file(path_of(storage, "kept"))["hidden_states"], kept)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(msgs) == 1 and "request gone:" in msgs[0]
+    assert leftovers(storage) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: HiddenStatesWriter.on_metadata lets the OSError of _take_lock escape "
+    "(start_load_kv would crash the worker); see the test report",
+)
+def test_unwritable_request_path_does_not_stop_others(writer, storage, caplog):
+    blocker = storage / "a-file"
+    blocker.write_text("")
+    bad = str(blocker / "bad.safetensors")  # its folder is a file: no lock can be made
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            new_requests=[NewRequest("bad", bad, 2), NewRequest("ok", path_of(storage, "ok"), 2)]
+        )
+    )
+    ok = rows(2)
+    save(writer, ("bad", 0, rows(2)), ("ok", 0, ok))
+    finish(writer, bad=[1, 2], ok=[3, 4])
+    writer.close()
+    assert torch.equal(load_file(path_of(storage, "ok"))["hidden_states"], ok)
+    assert any("request bad" in r.getMessage() for r in caplog.records)
+
+
+def test_close_drains_everything(storage):
+    w = make_writer(storage, host_buffers=1, write_workers=2)
+    data = {f"q{i}": rows(1 + i % 5) for i in range(24)}
+    new(w, storage, **{r: d.shape[0] for r, d in data.items()})
+    items = list(data.items())
+    for i in range(0, len(items), 4):  # 4 requests per step, through a single host buffer
+        save(w, *[(r, 0, d) for r, d in items[i : i + 4]])
+    new(w, storage, never=3)  # never finished: close() must not leave its lock
+    finish(w, **{r: list(range(d.shape[0])) for r, d in data.items()})
+    w.close()
+    for r, d in data.items():
+        assert torch.equal(load_file(path_of(storage, r))["hidden_states"], d)
+        assert lock_state(path_of(storage, r)) == "free"
+    assert lock_state(path_of(storage, "never")) == "absent"
+    assert w.stats["files"] == len(data) and w.pending_writes == 0 and w.requests == {}
+
+
+def test_duplicate_new_request_keeps_rows(writer, storage):
+    # A resumed request may be listed as new again; its rows so far are kept.
+    first = rows(2)
+    new(writer, storage, d=4)
+    save(writer, ("d", 0, first))
+    new(writer, storage, d=4)
+    rest = rows(2)
+    save(writer, ("d", 2, rest))
+    finish(writer, d=[1, 2, 3, 4])
+    writer.close()
+    assert torch.equal(load_file(path_of(storage, "d"))["hidden_states"], torch.cat([first, rest]))
+
+
+# -- check_rows ------------------------------------------------------------------------
+
+
+def test_check_rows_accepts_finite_nonzero():
+    assert check_rows(rows(4)) is None
+    r = rows(2)
+    r[0, 0, 0] = 0.0  # a zero value is fine; a zero row is not
+    assert check_rows(r) is None
+
+
+def test_check_rows_names_positions():
+    r = rows(8)
+    r[2, 1, 3] = float("nan")
+    r[5, 0, 0] = float("-inf")
+    assert check_rows(r) == "non-finite values at token positions [2, 5]"
+    r = rows(8)
+    r[0] = 0
+    r[7] = 0
+    assert check_rows(r) == "all-zero rows at token positions [0, 7]"
+    assert check_rows(torch.zeros(3, L, H)) == "all-zero rows at token positions [0, 1, 2]"
+
+
+# -- write_file ------------------------------------------------------------------------
+
+
+def test_write_file_roundtrip(tmp_path):
+    path = str(tmp_path / "f.safetensors")
+    hs, ids = rows(4), torch.arange(4, dtype=torch.int64)
+    write_file(path, hs, ids)
+    got = load_file(path)
+    assert torch.equal(got["hidden_states"], hs) and torch.equal(got["token_ids"], ids)
+    assert os.listdir(tmp_path) == ["f.safetensors"]
+
+
+def test_write_file_failure_keeps_old_file_and_no_temp(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    path = str(tmp_path / "f.safetensors")
+    old = rows(2)
+    write_file(path, old, torch.arange(2))
+    real_save = safetensors.torch.save_file
+
+    def partial_save(tensors, filename, *a, **kw):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 10)  # a half-written file, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", partial_save)
+    with pytest.raises(OSError) as e:
+        write_file(path, rows(3), torch.arange(3))
+    assert e.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == ["f.safetensors"]
+    assert torch.equal(load_file(path)["hidden_states"], old)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(
+        conn_mod.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
+    )
+    with pytest.raises(OSError):
+        write_file(path, rows(3), torch.arange(3))
+    assert os.listdir(tmp_path) == ["f.safetensors"]
+    assert torch.equal(load_file(path)["hidden_states"], old)

@@ -1,0 +1,182 @@
+"""GPU end to end: `vllm-gdn-hs launch` starts a real `vllm serve`, driven as speculators drives it.
+
+Run on a CUDA machine with the plugin installed:
+    pytest -m gpu tests/test_gpu_launch.py -v -s
+Optional: SPECULATORS_SITE=/path/to/site with the speculators wheel unpacked, to
+drive the server with speculators' own client (speculators.data_generation.vllm_client).
+Set VLLM_GDN_HS_LAUNCH_RESULTS=/path.json to keep the figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from vllm_gdn_hs.reader import load_hidden_states
+from vllm_gdn_hs.reference import file_problems, hf_hidden_states, load_hf_model, relative_errors
+from vllm_gdn_hs.testing import build_tiny_hybrid
+
+pytestmark = pytest.mark.gpu
+
+LAYERS = [1, 3, 6]  # the launcher appends N = 8
+BAR = 0.03
+RESULTS: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch")
+    model = build_tiny_hybrid(str(root / "model"))
+    storage = root / "hs"
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_gdn_hs.cli",
+        "launch",
+        model,
+        "--hidden-states-path",
+        str(storage),
+        "--target-layer-ids",
+        *map(str, LAYERS),
+        "--",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--skip-tokenizer-init",
+        "--additional-config",
+        '{"gdn_prefill_backend": "triton"}',
+    ]
+    log_path = root / "server.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server not healthy in 300 s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+    text = log_path.read_text()
+    RESULTS["printed_command"] = next(
+        (line for line in text.splitlines() if "vllm.entrypoints.cli.main serve" in line), None
+    )
+    yield {"url": url, "model": model, "storage": storage, "log": log_path}
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+    out = os.environ.get("VLLM_GDN_HS_LAUNCH_RESULTS")
+    if out:
+        with open(out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def hf(server):
+    return load_hf_model(server["model"])
+
+
+def _check(hf, prompt, path, name):
+    data = load_hidden_states(path, timeout=30)
+    layers = LAYERS + [8]
+    problems = file_problems(data, prompt, len(layers), hf.config.get_text_config().hidden_size)
+    assert not problems, f"{name}: {problems}"
+    errs = relative_errors(data["hidden_states"], hf_hidden_states(hf, [prompt], layers)[0])
+    assert max(errs) <= BAR, f"{name}: {errs}"
+    return max(errs)
+
+
+def test_completions_like_speculators(server, hf):
+    """POST /v1/completions with token ids, max_tokens=1, return_token_ids=true."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(0, 1000) for _ in range(n)] for n in (1, 17, 100, 700)]
+    worst = 0.0
+    for prompt in prompts:
+        resp = _post(
+            server["url"] + "/v1/completions",
+            {"model": server["model"], "prompt": prompt, "max_tokens": 1, "return_token_ids": True},
+        )
+        assert resp["choices"][0]["prompt_token_ids"] == prompt
+        path = resp["kv_transfer_params"]["hidden_states_path"]
+        assert os.path.isabs(path) and path.startswith(str(server["storage"]))
+        assert os.path.exists(path) or os.path.exists(path + ".lock"), "lock protocol broken"
+        worst = max(worst, _check(hf, prompt, path, f"{len(prompt)} tokens"))
+    RESULTS["completions"] = {"files": len(prompts), "max_rel_err": round(worst, 4)}
+    print(f"\n/v1/completions: {len(prompts)} files, max rel err {worst:.4f}")
+
+
+def _speculators_client():
+    site = os.environ.get("SPECULATORS_SITE")
+    path = site and os.path.join(site, "speculators", "data_generation", "vllm_client.py")
+    if not path or not os.path.exists(path):
+        pytest.skip("speculators wheel not unpacked (set SPECULATORS_SITE)")
+    spec = importlib.util.spec_from_file_location("speculators_vllm_client", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # needs only openai
+    return module
+
+
+def test_speculators_client(server, hf):
+    """speculators' own client sends the requests and takes the lock as it does."""
+    import openai
+
+    client_mod = _speculators_client()
+    client = openai.Client(base_url=server["url"] + "/v1", api_key="none")
+    rng = random.Random(1)
+    worst = 0.0
+    for n in (5, 64, 300):
+        prompt = [rng.randrange(0, 1000) for _ in range(n)]
+        handle, params = client_mod.generate_hidden_states(
+            client, server["model"], {"input_ids": prompt}
+        )
+        if os.path.exists(handle + ".lock"):
+            client_mod.wait_for_lock(handle + ".lock")  # speculators' reader step
+        from safetensors.torch import load_file
+
+        data = load_file(handle)
+        assert data["token_ids"].tolist() == prompt
+        errs = relative_errors(
+            data["hidden_states"], hf_hidden_states(hf, [prompt], LAYERS + [8])[0]
+        )
+        worst = max(worst, *errs)
+        assert max(errs) <= BAR
+    RESULTS["speculators_client"] = {"files": 3, "max_rel_err": round(worst, 4)}
+    print(f"\nspeculators client: 3 files, max rel err {worst:.4f}")

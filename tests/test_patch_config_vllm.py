@@ -1,0 +1,74 @@
+"""vllm_gdn_hs.patch.patch_config_vllm: HMA kept on for connectors that support it; CPU only.
+
+Run: cd /work/main && python -m pytest tests/test_patch_config_vllm.py -q (no GPU, no network).
+Covers, on real VllmConfigs of the tiny hybrid model built through EngineArgs: HMA stays on
+for HybridHiddenStatesConnector when the user said nothing; an explicit choice is kept;
+connectors without SupportsHMA still get vLLM's own rule (HMA off); and the patch wraps the
+original __post_init__ rather than replacing it.
+"""
+
+from __future__ import annotations
+
+import harness
+import pytest
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from vllm_gdn_hs.patch import patch_config_vllm
+
+
+def test_patch_wraps_post_init():
+    assert VllmConfig.__post_init__ is patch_config_vllm.__post_init__
+    assert patch_config_vllm._orig_post_init is not patch_config_vllm.__post_init__
+    assert patch_config_vllm._orig_post_init.__qualname__ == "VllmConfig.__post_init__"
+
+
+def test_hma_kept_on_for_our_connector(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS)
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+    kcc = harness.kv_cache_config(cfg)
+    # Several KV cache groups: the hybrid manager is really in use.
+    kinds = sorted(type(g.kv_cache_spec).__name__ for g in kcc.kv_cache_groups)
+    assert kinds == ["FullAttentionSpec", "MambaSpec", "MambaSpec", "MambaSpec"]
+
+
+def test_hma_kept_on_for_our_connector_dense(dense_model):
+    cfg = harness.engine_config(dense_model, connector=harness.OURS)
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+    (group,) = harness.kv_cache_config(cfg).kv_cache_groups
+    assert isinstance(group.kv_cache_spec, FullAttentionSpec)
+    assert not isinstance(group.kv_cache_spec, MambaSpec)
+
+
+def test_explicit_disable_is_respected(hybrid_model):
+    cfg = harness.engine_config(
+        hybrid_model, connector=harness.OURS, disable_hybrid_kv_cache_manager=True
+    )
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
+    # ...and vLLM then refuses the hybrid model, in its own words.
+    with pytest.raises(ValueError, match="Hybrid KV cache manager is disabled"):
+        harness.kv_cache_config(cfg)
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", harness.STOCK])
+def test_connector_without_supports_hma_gets_hma_off(hybrid_model, connector):
+    cls = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+    )
+    assert not supports_hma(cls)
+    cfg = harness.engine_config(hybrid_model, connector=connector)
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def test_without_connector_vllm_decides(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=None, layer_ids=None)
+    assert cfg.kv_transfer_config is None
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+def test_unknown_connector_is_left_to_vllm():
+    cfg = VllmConfig.__new__(VllmConfig)
+    cfg.kv_transfer_config = KVTransferConfig(kv_connector="NoSuchConnector", kv_role="kv_both")
+    assert patch_config_vllm._connector_supports_hma(cfg) is False

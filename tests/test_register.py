@@ -1,0 +1,174 @@
+"""Plugin registration, the vLLM version gate and the patch registry; CPU only.
+
+Run: cd /work/main && python -m pytest tests/test_register.py -q (no GPU, no network; one
+test starts a fresh interpreter, ~10 s).
+Covers: vLLM's own plugin loader finds the plugin and KVConnectorFactory resolves
+HybridHiddenStatesConnector lazily; register() is idempotent and a Patch refuses to apply
+twice; an unsupported vLLM is refused naming the supported versions; the supported
+versions come from the package metadata and equal the pin in pyproject.toml; every
+runtime patch module has a test module and a source twin in patches/<vllm version>/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import vllm_gdn_hs
+from vllm_gdn_hs import patch
+from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, installed_vllm, supported_vllm
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_LOADER = """
+import json, sys
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+import vllm_gdn_hs, vllm_gdn_hs.patch as p
+lazy = "vllm_gdn_hs.connector" not in sys.modules
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+cls = KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="HybridHiddenStatesConnector", kv_role="kv_producer"))
+print("RESULT " + json.dumps(dict(
+    registered=vllm_gdn_hs._registered, applied=p._applied, lazy=lazy,
+    cls=cls.__module__ + "." + cls.__qualname__)))
+"""
+
+
+def test_vllm_plugin_loader_finds_plugin_and_connector(run_python):
+    proc = run_python(_LOADER, plugins=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert got == {
+        "registered": True,
+        "applied": list(patch.PATCHES["0.20.1"]),
+        # Registered by module path: the connector module loads only when resolved.
+        "lazy": True,
+        "cls": "vllm_gdn_hs.connector.HybridHiddenStatesConnector",
+    }
+
+
+def test_factory_resolves_our_class_in_process():
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+
+    cls = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+    )
+    assert cls is HybridHiddenStatesConnector
+    assert supports_hma(cls)
+
+
+def test_register_is_idempotent():
+    # conftest loaded the plugin through vLLM; calling register() again changes nothing.
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    loader = KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME]
+    applied = list(patch._applied)
+    assert applied == list(patch.PATCHES["0.20.1"])
+    vllm_gdn_hs.register()
+    vllm_gdn_hs.register()
+    assert patch._applied == applied
+    assert patch.apply_patches() == applied
+    assert KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME] is loader
+
+
+@pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
+def test_applied_patch_refuses_second_apply(name):
+    import importlib
+
+    module = importlib.import_module(f"vllm_gdn_hs.patch.{name}")
+    assert module.PATCH.applied
+    assert module.PATCH.target._vllm_gdn_hs_patched is True
+    for attr, value in module.PATCH.attrs.items():
+        assert getattr(module.PATCH.target, attr) is value
+    with pytest.raises(RuntimeError, match="is already patched"):
+        module.PATCH.apply()
+
+
+def test_patch_replaces_adds_and_refuses_twice():
+    class Target:
+        def old(self):
+            return "old"
+
+    def new(self):
+        return "new"
+
+    p = patch.Patch(Target, {"old": new, "extra": 42})
+    p.apply()
+    assert Target().old() == "new" and Target.extra == 42
+    with pytest.raises(RuntimeError, match="Target is already patched"):
+        p.apply()
+    # A second Patch object for the same class is refused too.
+    with pytest.raises(RuntimeError, match="Target is already patched"):
+        patch.Patch(Target, {"old": new}).apply()
+
+
+def _pyproject_vllm_pin() -> Requirement:
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "vllm"]
+    return req
+
+
+def test_supported_vllm_is_the_pyproject_pin():
+    pin = _pyproject_vllm_pin()
+    assert str(pin.specifier) == "==0.20.1"
+    assert supported_vllm() == pin.specifier
+
+
+def test_installed_vllm_is_supported():
+    assert check_vllm() == installed_vllm() == Version("0.20.1")
+    assert patch.patches_for() == patch.PATCHES["0.20.1"]
+    # A local build of a supported release is the same release.
+    assert check_vllm(Version("0.20.1+cu130")) == Version("0.20.1+cu130")
+
+
+@pytest.mark.parametrize("version", ["0.19.0", "0.20.0", "0.20.2", "0.21.0"])
+def test_unsupported_vllm_names_supported_versions(version):
+    with pytest.raises(UnsupportedVllmError) as e:
+        check_vllm(Version(version))
+    msg = str(e.value)
+    assert f"found vllm {version}" in msg
+    assert "supports vllm==0.20.1" in msg
+    assert "pip install 'vllm==0.20.1'" in msg
+
+
+def test_unsupported_vllm_has_no_patches():
+    assert patch.patches_for("0.19.0") == ()
+
+
+def test_every_patch_module_has_a_test_module():
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for version, names in patch.PATCHES.items():
+        for name in names:
+            assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), (version, name)
+
+
+_SERIES = os.path.join(REPO, "patches", "0.20.1")
+
+
+# TODO(patch series issue): once patches/0.20.1/ exists this test runs for real; drop
+# the xfail marker then (it is already inactive when the folder exists).
+@pytest.mark.xfail(not os.path.isdir(_SERIES), strict=False, reason="patch series not written yet")
+@pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
+def test_every_runtime_patch_has_a_source_twin(name):
+    # patch_spec_decode_extract_hidden_states -> a file naming spec, decode, extract, ...
+    words = name.removeprefix("patch_").split("_")
+    files = [f for f in os.listdir(_SERIES) if f.endswith(".patch")]
+    twins = [f for f in files if all(w in f.lower() for w in words)]
+    assert len(twins) == 1, f"{name}: no single twin in {_SERIES} among {files}"

@@ -1,0 +1,108 @@
+"""``vllm-gdn-hs doctor``: what is installed, and whether it will work. No GPU needed."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _compress(ids: list[int]) -> str:
+    """[0, 1, 2, 4] -> '0-2,4'"""
+    parts, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            parts.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(parts) or "-"
+
+
+def checks(model: str | None = None) -> list[tuple[str, str, str | None]]:
+    """(item, value, problem-or-None) rows."""
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, supported_vllm
+
+    rows = []
+    vllm_v = _version("vllm")
+    try:
+        check_vllm()
+        problem = None
+    except UnsupportedVllmError as e:
+        problem = str(e)
+    rows.append(("vllm", vllm_v or "not installed", problem))
+    rows.append(("supported vllm", str(supported_vllm()), None))
+    for dist in ("torch", "transformers"):
+        v = _version(dist)
+        rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))
+
+    plugin_problem, patches = None, "-"
+    if problem is None:
+        try:
+            from vllm.plugins import load_general_plugins
+
+            load_general_plugins()
+            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+            from vllm_gdn_hs import CONNECTOR_NAME
+            from vllm_gdn_hs.patch import apply_patches
+
+            if CONNECTOR_NAME not in KVConnectorFactory._registry:
+                plugin_problem = (
+                    "vLLM's plugin loader did not find vllm_gdn_hs: install the "
+                    "package (pip install vllm-gdn-hs), PYTHONPATH is not enough"
+                )
+            patches = ", ".join(apply_patches()) or "none needed"
+        except Exception as e:  # report, don't crash: this is the diagnostic tool
+            plugin_problem = f"{type(e).__name__}: {e}"
+    rows.append(
+        ("plugin via vllm.general_plugins", "found" if not plugin_problem else "no", plugin_problem)
+    )
+    rows.append(("runtime patches", patches, None))
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
+    except Exception:
+        gpu = "none visible"
+    rows.append(("GPU", gpu, None))
+
+    if model:
+        from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
+
+        try:
+            info = read_model_info(model)
+        except ModelConfigError as e:
+            rows.append(("model", model, str(e)))
+            return rows
+        rows.append(
+            ("model", f"{model} ({', '.join(info.architectures) or info.model_type})", None)
+        )
+        rows.append(("hybrid", "yes" if info.is_hybrid else "no (dense)", None))
+        rows.append(("layers", str(info.num_hidden_layers), None))
+        rows.append(("  linear attention (GDN/Mamba)", _compress(info.linear_layers), None))
+        rows.append(("  full attention", _compress(info.full_attention_layers), None))
+        if info.sliding_layers:
+            rows.append(("  sliding window", _compress(info.sliding_layers), None))
+        rows.append(("hidden size", str(info.hidden_size), None))
+        rows.append(
+            ("multimodal (pass --language-model-only)", "yes" if info.multimodal else "no", None)
+        )
+    return rows
+
+
+def run_doctor(model: str | None = None) -> int:
+    rows = checks(model)
+    width = max(len(r[0]) for r in rows)
+    for item, value, problem in rows:
+        mark = "FAIL" if problem else "ok"
+        print(f"{mark:4}  {item:<{width}}  {value}")
+    problems = [(item, p) for item, _, p in rows if p]
+    for item, p in problems:
+        print(f"\nfix {item}: {p}")
+    return 1 if problems else 0
