@@ -6,8 +6,9 @@ Covers, with HMA on and the tiny hybrid Qwen3.5's real KV cache groups: the meta
 to the worker each step (new requests with their file path and prompt length, listed once
 even under chunked prefill; finished requests with the token ids to write), the
 kv_transfer_params.hidden_states_path returned to the client, include_output_tokens, aborts
-(no path, token_ids None) and the per-request hidden_states_path gate. Requests and model
-runner outputs are built as vLLM's own scheduler tests build them.
+(no path, token_ids None) and the per-request hidden_states_path gate; the basic lifecycle
+also on the tiny dense Qwen3. Requests and model runner outputs are built as vLLM's own
+scheduler tests build them.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def test_hma_on_with_hybrid_groups(sched):
     assert len(sched.kv_cache_config.kv_cache_groups) == 4
 
 
-def test_request_lifecycle(sched, tmp_path):
+@pytest.mark.parametrize("model", ["hybrid_model", "dense_model"])
+def test_request_lifecycle(model, request, tmp_path):
+    sched = make_scheduler(request.getfixturevalue(model), str(tmp_path))
     prompts = {"r0": prompt(17), "r1": prompt(1, 40), "r2": prompt(100, 7)}
     for rid, p in prompts.items():
         sched.add_request(make_request(rid, p))

@@ -7,7 +7,8 @@ flock-held from the moment a request is known until its file is complete; rows o
 requests per step, chunked prefill and overwritten positions; exact [T, L, H] bf16 files
 with int64 token ids; aborts, missing rows, NaN and all-zero rows, full disk and vanished
 folders leave no file, no temp file and no lock, are logged with the request id and do not
-stop other requests; close() drains everything. Also check_rows and write_file directly.
+stop other requests; close() drains everything; the engine thread in inference mode, as in
+vLLM's worker. Also check_rows and write_file directly.
 The only fakes are at the disk edge (os.replace / safetensors raising ENOSPC).
 """
 
@@ -317,11 +318,6 @@ def test_vanished_folder_logged_and_others_written(writer, storage, caplog):
     assert leftovers(storage) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: HiddenStatesWriter.on_metadata lets the OSError of _take_lock escape "
-    "(start_load_kv would crash the worker); see the test report",
-)
 def test_unwritable_request_path_does_not_stop_others(writer, storage, caplog):
     blocker = storage / "a-file"
     blocker.write_text("")
@@ -431,3 +427,18 @@ def test_write_file_failure_keeps_old_file_and_no_temp(tmp_path, monkeypatch):
         write_file(path, rows(3), torch.arange(3))
     assert os.listdir(tmp_path) == ["f.safetensors"]
     assert torch.equal(load_file(path)["hidden_states"], old)
+
+
+def test_engine_thread_in_inference_mode(storage):
+    # vLLM's worker runs the connector under torch.inference_mode(): buffers made there
+    # are inference tensors, and the drain and write threads must still fill and read them.
+    with torch.inference_mode():
+        w = make_writer(storage)
+        data = rows(4)
+        new(w, storage, i=2)
+        save(w, ("i", 0, data[:2]))
+        save(w, ("i", 2, data[2:]))  # past the prompt: the buffer grows
+        finish(w, i=[1, 2, 3, 4])
+    w.close()
+    assert torch.equal(load_file(path_of(storage, "i"))["hidden_states"], data)
+    assert w.stats["files"] == 1

@@ -197,6 +197,9 @@ def test_hybrid_eager_unchunked_and_outputs(models, reference, tmp_path):
             RESULTS["chunked_vs_unchunked_700"] = [round(d, 5) for d in diff]
             print(f"\nchunked vs unchunked, 700 tokens: {diff}")
             assert max(diff) <= 0.01
+        # A prompt of exactly max_model_len tokens, batched with a short one.
+        full = _prompts(5, [2048, 40])
+        _check("hybrid", _generate(llm, full), full, reference, "hybrid_max_model_len_prompt")
         prompts = BASE[1:3]
         outs = _generate(
             llm,

@@ -280,9 +280,19 @@ class HiddenStatesWriter:
 
     def on_metadata(self, meta: HybridHiddenStatesConnectorMetadata) -> None:
         for req in meta.new_requests:
-            if req.req_id not in self.requests:
+            if req.req_id in self.requests:
+                continue
+            try:
                 self.requests[req.req_id] = _RequestBuffer(
                     req, self.num_layers, self.hidden, self.dtype
+                )
+            except OSError as e:  # never stop the engine for one request's file
+                logger.error(
+                    "%s: request %s: no hidden-states file: cannot lock %s.lock: %s",
+                    CONNECTOR_NAME,
+                    req.req_id,
+                    req.path,
+                    e,
                 )
         for fin in meta.finished_requests:
             self.tasks.put(("finish", fin))

@@ -23,11 +23,11 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
 
 
 def load_hf_model(model_dir: str, device: str = "cuda"):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """HF transformers' model for a folder built by :mod:`vllm_gdn_hs.testing`
+    (text-only: the language model of a multimodal checkpoint)."""
+    from vllm_gdn_hs.testing import load_text_model
 
-    cfg = AutoConfig.from_pretrained(model_dir)
-    auto = AutoModelForImageTextToText if hasattr(cfg, "vision_config") else AutoModelForCausalLM
-    return auto.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    return load_text_model(model_dir, device)
 
 
 @torch.inference_mode()

@@ -105,18 +105,57 @@ def write_config(path: str, config: dict) -> str:
     return path
 
 
-def build_model(path: str, config: dict, seed: int = 0) -> str:
-    """Save a model with random weights (bf16) through transformers."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def _text_model(config: dict):
+    """The HF causal LM of a config: its language model alone for multimodal configs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg_dict = dict(config)
-    cfg = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    text = dict(config.get("text_config") or config)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(text.pop("model_type"), **text))
+
+
+# Multimodal Qwen3.5 checkpoints keep the language model under this prefix.
+_MM_PREFIX = ("model.", "model.language_model.")
+
+
+def build_model(path: str, config: dict, seed: int = 0) -> str:
+    """Save a model with random bf16 weights, built with transformers.
+
+    A multimodal (Qwen3.5) model gets its language model's weights only, under
+    the checkpoint's ``model.language_model.`` names: vLLM runs it with
+    ``language_model_only=True``, which builds no vision tower.
+    """
+    import torch
+    from safetensors.torch import save_file
+
     torch.manual_seed(seed)
-    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
-    model = auto.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    model = _text_model(config).to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if "vision_config" in config:
+        old, new = _MM_PREFIX
+        state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
+    write_config(path, config)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def load_text_model(path: str, device: str = "cuda"):
+    """The HF causal LM of a model folder (the language model of a multimodal one)."""
+    import torch
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    model = _text_model(config).to(torch.bfloat16)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    if "vision_config" in config:
+        new, old = _MM_PREFIX
+        state = {
+            (new + k[len(old) :] if k.startswith(old) else k): v
+            for k, v in state.items()
+            if not k.startswith("model.visual.")
+        }
+    model.load_state_dict(state, strict=True)
+    return model.to(device).eval()
 
 
 def build_tiny_hybrid(path: str, **kw) -> str:

@@ -55,6 +55,12 @@ def __init__(self, vllm_config, device) -> None:
     self.aux_layer_order = layer_order(list(self.hf_config.eagle_aux_hidden_state_layer_ids))
     self._staged = None
     self._connector = None
+    if self.streams_hidden_states:
+        # The runner skips the drafter for a whole step when a sequence plus
+        # its draft token exceeds the drafter's max length; with no draft model
+        # that limit must not drop the rows of a prompt of max_model_len tokens.
+        draft = vllm_config.speculative_config.draft_model_config
+        draft.max_model_len = vllm_config.model_config.max_model_len + 1
 
 
 def load_model(self, target_model) -> None:
