@@ -172,20 +172,38 @@ def test_hybrid_eager_chunked(models, reference, tmp_path):
         RESULTS["_chunked_700"] = files[3]
         _check("hybrid", _generate(llm, MANY), MANY, reference, "hybrid_eager_80_requests")
 
-        # An abort during prefill leaves no file and no lock.
-        engine_ = llm.llm_engine
+        # Aborts: each request leaves either nothing (aborted in prefill) or a
+        # complete, correct file (it finished first); never a lock or a temp file.
         from vllm import SamplingParams
 
-        engine_.add_request("abort-me", {"prompt_token_ids": BASE[3]}, SamplingParams(max_tokens=1))
+        engine_ = llm.llm_engine
+        long = _prompts(4, [2000] * 8)  # ~8 steps each at 256 tokens a step
+        ids = [
+            engine_.add_request(f"abort-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1))
+            for i, p in enumerate(long)
+        ]
         engine_.step()
-        engine_.abort_request(["abort-me"])
-        _generate(llm, BASE[:2])  # keeps the engine stepping past the abort
+        engine_.abort_request([f"abort-{i}" for i in range(len(long))])
+        _generate(llm, BASE[:2])  # keeps the engine stepping past the aborts
         deadline = time.monotonic() + 10
-        while (
-            left := [f for f in os.listdir(tmp_path) if f.startswith("abort-me")]
-        ) and time.monotonic() < deadline:
+        while any(f.endswith(".lock") and f.startswith("abort-") for f in os.listdir(tmp_path)):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.05)
-        assert not left, f"aborted request left {left}"
+        left = sorted(f for f in os.listdir(tmp_path) if f.startswith("abort-"))
+        assert not [f for f in left if not f.endswith(".safetensors")], f"left behind: {left}"
+        finished = [(i, p) for i, p in zip(ids, long, strict=True) if f"{i}.safetensors" in left]
+        for req_id, prompt in finished:
+            data = load_hidden_states(os.path.join(tmp_path, f"{req_id}.safetensors"))
+            assert not file_problems(
+                data, prompt, len(LAYERS["hybrid"]), data["hidden_states"].shape[-1]
+            )
+        RESULTS["aborts"] = {
+            "aborted_in_prefill": len(long) - len(finished),
+            "finished_first": len(finished),
+        }
+        print(f"\naborts: {RESULTS['aborts']}")
+        assert len(finished) < len(long), "no request was aborted during prefill"
 
 
 def test_hybrid_eager_unchunked_and_outputs(models, reference, tmp_path):
@@ -208,8 +226,8 @@ def test_hybrid_eager_unchunked_and_outputs(models, reference, tmp_path):
         _check(
             "hybrid", outs, prompts, reference, "hybrid_include_output_tokens", include_outputs=True
         )
-        # A prompt of exactly max_model_len tokens, batched with a short one.
-        full = _prompts(5, [2048, 40])
+        # The longest prompt vLLM accepts, batched with a short one.
+        full = _prompts(5, [2047, 40])  # vLLM refuses prompt_len == max_model_len
         _check("hybrid", _generate(llm, full), full, reference, "hybrid_max_model_len_prompt")
 
 

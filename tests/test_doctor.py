@@ -1,0 +1,70 @@
+"""`vllm-gdn-hs doctor` and `vllm-gdn-hs demo` on a machine without a GPU.
+
+Run: python -m pytest tests/test_doctor.py -q   (CPU; the CLI runs in subprocesses)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_gdn_hs.doctor import _compress, checks
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_gdn_hs.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_compress():
+    assert _compress([0, 1, 2, 4, 5, 7]) == "0-2,4-5,7"
+    assert _compress([]) == "-"
+
+
+def test_doctor_table_for_hybrid_model(hybrid_model):
+    r = _cli("doctor", "--model", hybrid_model)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
+    lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
+    assert "0.20.1" in lines["vllm"]
+    assert (
+        lines["plugin via vllm.general_plugins"].startswith("ok")
+        and "found" in lines["plugin via vllm.general_plugins"]
+    )
+    assert "patch_config_vllm" in lines["runtime patches"]
+    assert lines["hybrid"].rstrip().endswith("yes")
+    assert lines["layers"].rstrip().endswith("8")
+    assert lines["linear attention (GDN/Mamba)"].rstrip().endswith("0-2,4-6")
+    assert lines["full attention"].rstrip().endswith("3,7")
+    assert lines["hidden size"].rstrip().endswith("256")
+
+
+def test_doctor_dense_model(dense_model):
+    rows = {item.strip(): value for item, value, _ in checks(dense_model)}
+    assert rows["hybrid"] == "no (dense)"
+    assert rows["full attention"] == "0-7"
+
+
+def test_doctor_bad_model_fails_and_names_the_fix(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    r = _cli("doctor", "--model", str(tmp_path))
+    assert r.returncode == 1
+    assert "FAIL" in r.stdout and "cannot read" in r.stdout and "fix model" in r.stdout
+
+
+@CPU_ONLY
+def test_demo_without_gpu_says_so_and_runs_doctor(tmp_path):
+    r = _cli("demo", "--workdir", str(tmp_path))
+    assert r.returncode == 1
+    assert "needs a CUDA GPU" in r.stdout
+    assert "plugin via vllm.general_plugins" in r.stdout  # the doctor table followed
