@@ -162,9 +162,6 @@ def test_every_patch_module_has_a_test_module():
 _SERIES = os.path.join(REPO, "patches", "0.20.1")
 
 
-# TODO(patch series issue): once patches/0.20.1/ exists this test runs for real; drop
-# the xfail marker then (it is already inactive when the folder exists).
-@pytest.mark.xfail(not os.path.isdir(_SERIES), strict=False, reason="patch series not written yet")
 @pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
 def test_every_runtime_patch_has_a_source_twin(name):
     # patch_spec_decode_extract_hidden_states -> a file naming spec, decode, extract, ...

@@ -1,0 +1,117 @@
+"""Run: cd /work/main && python -m pytest tests/test_patches.py -q (CPU, no network, patch(1)).
+
+The source patch series in patches/<vllm version>/: every patch applies, in series order and
+with no fuzz, to a copy of the installed vLLM's files, and the patched files compile; the
+series lists every patch once; each patch has its DEP-3 header and no line of this plugin;
+VLLM_VERSION is the vllm pin in pyproject.toml. Skipped (with the reason) where the `patch`
+binary is missing or the installed vLLM is not the series' release.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+
+import pytest
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCHES = os.path.join(REPO, "patches")
+
+
+def _vllm_pin() -> str:
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "vllm"]
+    (spec,) = req.specifier
+    assert spec.operator == "==", f"vllm pin is not exact: {req}"
+    return spec.version
+
+
+VERSION = _vllm_pin()
+SERIES_DIR = os.path.join(PATCHES, VERSION)
+
+
+def _series() -> list[str]:
+    with open(os.path.join(SERIES_DIR, "series")) as f:
+        return [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+
+
+SERIES = _series()
+
+
+def _targets(name: str) -> list[str]:
+    """Paths (vllm/...) a patch changes, from its `+++ b/...` lines."""
+    with open(os.path.join(SERIES_DIR, name)) as f:
+        return [ln[len("+++ b/") :].split("\t")[0].strip() for ln in f if ln.startswith("+++ b/")]
+
+
+def test_vllm_version_is_the_pyproject_pin():
+    with open(os.path.join(SERIES_DIR, "VLLM_VERSION")) as f:
+        assert f.read().strip() == VERSION
+
+
+def test_series_lists_every_patch_once_in_order():
+    files = sorted(f for f in os.listdir(SERIES_DIR) if f.endswith(".patch"))
+    assert SERIES == files
+    assert all(re.match(r"\d{4}-[a-z0-9-]+\.patch$", f) for f in SERIES), SERIES
+
+
+@pytest.mark.parametrize("name", SERIES)
+def test_patch_has_dep3_header_and_no_plugin_code(name):
+    with open(os.path.join(SERIES_DIR, name)) as f:
+        text = f.read()
+    header = text.split("\n---\n", 1)[0]
+    for field in ("Description", "Author", "Origin", "Forwarded", "Applied-Upstream"):
+        assert re.search(rf"^{field}: \S", header, re.M), f"{name}: no {field}"
+    assert re.search(r"^Last-Update: \d{4}-\d{2}-\d{2}$", header, re.M), name
+    assert _targets(name) and all(t.startswith("vllm/") for t in _targets(name))
+    added = [ln for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    assert not [ln for ln in added if "vllm_gdn_hs" in ln], f"{name} imports the plugin"
+
+
+@pytest.fixture(scope="module")
+def vllm_src() -> str:
+    if shutil.which("patch") is None:
+        pytest.skip("the `patch` binary is missing (Debian: apt-get install patch)")
+    installed = importlib.metadata.version("vllm")
+    if installed.split("+")[0] != VERSION:
+        pytest.skip(f"installed vllm {installed} is not the series' vllm {VERSION}")
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    return os.path.dirname(os.path.dirname(spec.origin))  # site-packages
+
+
+@pytest.mark.parametrize("index", range(len(SERIES)), ids=SERIES)
+def test_series_applies_in_order_and_compiles(index, vllm_src, tmp_path):
+    applied = SERIES[: index + 1]
+    for name in applied:
+        for target in _targets(name):
+            dst = tmp_path / target
+            if not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(os.path.join(vllm_src, target), dst)
+    for name in applied:
+        proc = subprocess.run(
+            ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch"]
+            + ["-i", os.path.join(SERIES_DIR, name)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, f"{name} does not apply:\n{proc.stdout}{proc.stderr}"
+    for target in _targets(SERIES[index]):
+        patched = tmp_path / target
+        with open(os.path.join(vllm_src, target)) as f:
+            assert patched.read_text() != f.read(), f"{target} unchanged"
+        py_compile.compile(str(patched), cfile=str(patched) + "c", doraise=True)
