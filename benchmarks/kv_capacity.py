@@ -1,0 +1,99 @@
+"""KV cache capacity with and without hidden-state extraction, from vLLM's own sizing code.
+
+No GPU needed: builds the real per-layer KV cache specs of the model (meta device, through
+tests/harness.py) and runs vLLM 0.20.1's get_kv_cache_configs and
+get_max_concurrency_for_kv_cache_config, the numbers behind its "GPU KV cache size: N tokens"
+line, for the same KV memory budget. Variants: plain (no extraction), ours
+(HybridHiddenStatesConnector), stock (ExampleHiddenStatesConnector with HMA forced on; on
+0.20.1 it fails to start, and the error is recorded).
+
+    python benchmarks/kv_capacity.py --shape 27b --max-model-len 8448,32768,262144 \
+        --results benchmarks/results/kv_capacity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, HERE)
+
+import harness  # noqa: E402  (before any other vLLM import: installs vLLM's CpuPlatform)
+from bench import DEFAULT_LAYERS, model_config, write_model_dir  # noqa: E402
+
+
+def capacity(model: str, variant: str, layers: list[int], max_model_len: int, memory: int):
+    import vllm.plugins
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    vllm.plugins.load_general_plugins()
+    kw = dict(enable_prefix_caching=False, max_model_len=max_model_len)
+    if variant == "plain":
+        kw.update(connector=None, layer_ids=None)
+    elif variant == "ours":
+        kw.update(connector=harness.OURS, layer_ids=layers)
+    else:
+        kw.update(connector=harness.STOCK, layer_ids=layers, disable_hybrid_kv_cache_manager=False)
+    try:
+        cfg = harness.engine_config(model, **kw)
+        kcc = harness.kv_cache_config(cfg, memory=memory)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    conc = get_max_concurrency_for_kv_cache_config(cfg, kcc)
+    return {
+        "tokens": int(conc * max_model_len),
+        "max_concurrency": round(conc, 2),
+        "num_blocks": kcc.num_blocks,
+        "block_size": cfg.cache_config.block_size,
+        "groups": [type(g.kv_cache_spec).__name__ for g in kcc.kv_cache_groups],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="27b")
+    p.add_argument("--max-model-len", default="8448,32768,262144")
+    p.add_argument(
+        "--kv-memory-gib",
+        type=float,
+        default=100.0,
+        help="KV cache memory budget (an H200 at 0.9 leaves ~70 GiB for 27B)",
+    )
+    p.add_argument("--variants", default="plain,ours,stock")
+    p.add_argument("--results", help="append the records to this JSON file")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        model = write_model_dir(root, args.shape)
+        n = model_config(args.shape)["text_config"]["num_hidden_layers"]
+        layers = DEFAULT_LAYERS[n]
+        records = []
+        for mml in map(int, args.max_model_len.split(",")):
+            rec = {
+                "date": datetime.date.today().isoformat(),
+                "shape": args.shape,
+                "layers": layers,
+                "max_model_len": mml,
+                "kv_memory_gib": args.kv_memory_gib,
+                "vllm": __import__("vllm").__version__,
+            }
+            for v in args.variants.split(","):
+                rec[v] = capacity(model, v, layers, mml, int(args.kv_memory_gib * 2**30))
+            if "tokens" in rec.get("plain", {}) and "tokens" in rec.get("ours", {}):
+                rec["ours_over_plain"] = round(rec["ours"]["tokens"] / rec["plain"]["tokens"], 4)
+            records.append(rec)
+            print(json.dumps(rec))
+    if args.results:
+        old = json.load(open(args.results)) if os.path.exists(args.results) else []
+        with open(args.results, "w") as f:
+            json.dump(old + records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
