@@ -1,6 +1,6 @@
 """Shared test setup: the CPU harness, tiny model folders and the `gpu` marker.
 
-Run: cd /work/main && python -m pytest tests -q -m "not gpu" (CPU only, no network).
+Run: python -m pytest tests -q -m "not gpu" (CPU only, no network).
 On the device: python -m pytest tests -q -m gpu.
 
 Two modes, chosen by whether torch sees a CUDA GPU:

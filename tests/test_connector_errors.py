@@ -1,6 +1,6 @@
 """Every startup error of HybridHiddenStatesConnector names the fix; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_connector_errors.py -q (no GPU, no network).
+Run: python -m pytest tests/test_connector_errors.py -q (no GPU, no network).
 Covers, on real VllmConfigs of the tiny models built through EngineArgs: no speculative
 config, another speculative method, layer ids out of range / repeated / missing, pipeline
 parallelism, prefix caching on, an unwritable storage path, and bad kv_connector_extra_config

@@ -1,6 +1,6 @@
 """The connector's scheduler side, driven by vLLM's real Scheduler; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_connector_scheduler.py -q (no GPU, no
+Run: python -m pytest tests/test_connector_scheduler.py -q (no GPU, no
 network).
 Covers, with HMA on and the tiny hybrid Qwen3.5's real KV cache groups: the metadata handed
 to the worker each step (new requests with their file path and prompt length, listed once

@@ -1,6 +1,6 @@
 """The connector's worker side on CPU: HiddenStatesWriter, the .lock protocol, the files.
 
-Run: cd /work/main && python -m pytest tests/test_connector_worker.py -q (no GPU, no network).
+Run: python -m pytest tests/test_connector_worker.py -q (no GPU, no network).
 Covers HiddenStatesWriter end to end with device=cpu (the same drain thread and write pool
 as on a GPU; only the device-to-host copy is a plain copy): the lock is created and
 flock-held from the moment a request is known until its file is complete; rows of several

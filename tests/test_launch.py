@@ -1,6 +1,6 @@
 """The launcher (vllm_gdn_hs.launch, launch/launch_vllm.py, `vllm-gdn-hs launch`); CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_launch.py -q (needs no GPU, no network).
+Run: python -m pytest tests/test_launch.py -q (needs no GPU, no network).
 Covers parity with speculators' scripts/launch_vllm.py (options, defaults, layer ids, `--`
 passthrough, the command it builds), hybrid/dense and multimodal/text-only configs, the flags
 we add and the user flags that win or are refused, and every bad input's message.

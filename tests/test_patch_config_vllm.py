@@ -1,6 +1,6 @@
 """vllm_gdn_hs.patch.patch_config_vllm: HMA kept on for connectors that support it; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_patch_config_vllm.py -q (no GPU, no network).
+Run: python -m pytest tests/test_patch_config_vllm.py -q (no GPU, no network).
 Covers, on real VllmConfigs of the tiny hybrid model built through EngineArgs: HMA stays on
 for HybridHiddenStatesConnector when the user said nothing; an explicit choice is kept;
 connectors without SupportsHMA still get vLLM's own rule (HMA off); and the patch wraps the

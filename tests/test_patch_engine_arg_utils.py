@@ -1,6 +1,6 @@
 """vllm_gdn_hs.patch.patch_engine_arg_utils: prefix caching defaults off for our connector; CPU.
 
-Run: cd /work/main && python -m pytest tests/test_patch_engine_arg_utils.py -q (no GPU, no
+Run: python -m pytest tests/test_patch_engine_arg_utils.py -q (no GPU, no
 network).
 Covers, on real VllmConfigs built through EngineArgs for the tiny dense model (where vLLM's
 own default is prefix caching on): our connector turns the default off; an explicit True is

@@ -1,6 +1,6 @@
 """vllm_gdn_hs.patch.patch_spec_decode_extract_hidden_states: the proposer streams; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_patch_spec_decode_extract_hidden_states.py -q
+Run: python -m pytest tests/test_patch_spec_decode_extract_hidden_states.py -q
 (no GPU, no network).
 Covers: layer_order keeps the configured layer order; with HybridHiddenStatesConnector the
 real (patched) ExtractHiddenStatesProposer.load_model builds no draft model, so the drafter's

@@ -1,4 +1,4 @@
-"""Run: cd /work/main && python -m pytest tests/test_patches.py -q (CPU, no network, patch(1)).
+"""Run: python -m pytest tests/test_patches.py -q (CPU, no network, patch(1)).
 
 The source patch series in patches/<vllm version>/: every patch applies, in series order and
 with no fuzz, to a copy of the installed vLLM's files, and the patched files compile; the

@@ -1,6 +1,6 @@
 """Plugin registration, the vLLM version gate and the patch registry; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_register.py -q (no GPU, no network; one
+Run: python -m pytest tests/test_register.py -q (no GPU, no network; one
 test starts a fresh interpreter, ~10 s).
 Covers: vLLM's own plugin loader finds the plugin and KVConnectorFactory resolves
 HybridHiddenStatesConnector lazily; register() is idempotent and a Patch refuses to apply

@@ -1,6 +1,6 @@
 """The two stock vLLM 0.20.1 startup failures on a GDN hybrid model, and our fix; CPU only.
 
-Run: cd /work/main && python -m pytest tests/test_stock_failures.py -q (no GPU, no network;
+Run: python -m pytest tests/test_stock_failures.py -q (no GPU, no network;
 the stock half runs in one fresh interpreter without our plugin, ~10 s).
 Covers: stock vLLM + ExampleHiddenStatesConnector on the tiny hybrid Qwen3.5 fails with
 default flags ("Hybrid KV cache manager is disabled ...") and with HMA forced on ("The page
