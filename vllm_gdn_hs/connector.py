@@ -162,20 +162,26 @@ class _RequestBuffer:
     def __init__(self, req: NewRequest, num_layers: int, hidden: int, dtype: torch.dtype):
         self.req = req
         self.rows = torch.empty((req.num_prompt_tokens, num_layers, hidden), dtype=dtype)
+        self.norms = torch.empty((req.num_prompt_tokens, num_layers), dtype=torch.float32)
         self.seen = torch.zeros(req.num_prompt_tokens, dtype=torch.bool)
         self.lock_fd = _take_lock(req.path + ".lock")
 
-    def put(self, start: int, rows: torch.Tensor) -> None:
+    def put(self, start: int, rows: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         end = start + rows.shape[0]
         if end > self.rows.shape[0]:  # generated tokens (include_output_tokens)
             cap = max(end, 2 * self.rows.shape[0])
-            grown = torch.empty((cap, *self.rows.shape[1:]), dtype=self.rows.dtype)
-            grown[: self.rows.shape[0]] = self.rows
-            seen = torch.zeros(cap, dtype=torch.bool)
-            seen[: self.seen.shape[0]] = self.seen
-            self.rows, self.seen = grown, seen
+            self.rows, self.norms, self.seen = (
+                _grow(t, cap) for t in (self.rows, self.norms, self.seen)
+            )
         self.rows[start:end] = rows
+        self.norms[start:end] = row_norms(rows) if norms is None else norms
         self.seen[start:end] = True
+
+
+def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
+    grown = torch.zeros((cap, *t.shape[1:]), dtype=t.dtype)
+    grown[: t.shape[0]] = t
+    return grown
 
 
 def _take_lock(lock_path: str) -> int:
@@ -194,16 +200,29 @@ def _release_lock(fd: int, lock_path: str, remove: bool) -> None:
     os.close(fd)
 
 
-def check_rows(hidden_states: torch.Tensor) -> str | None:
-    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
-    flat = hidden_states.flatten(1)
-    if not torch.isfinite(flat).all():
-        bad = (~torch.isfinite(flat)).any(1).nonzero().flatten()[:5].tolist()
-        return f"non-finite values at token positions {bad}"
-    zero = (flat == 0).all(1)
+def row_norms(hidden_states: torch.Tensor) -> torch.Tensor:
+    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row.
+
+    Computed next to the device-to-host copy (on the GPU in production), so the
+    host checks T x L numbers instead of scanning every value.
+    """
+    return torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
+
+
+def check_norms(norms: torch.Tensor) -> str | None:
+    """Why rows with these norms must not be shipped, or None."""
+    bad = ~torch.isfinite(norms).all(1)
+    if bad.any():
+        return f"non-finite values at token positions {bad.nonzero().flatten()[:5].tolist()}"
+    zero = (norms == 0).any(1)
     if zero.any():
         return f"all-zero rows at token positions {zero.nonzero().flatten()[:5].tolist()}"
     return None
+
+
+def check_rows(hidden_states: torch.Tensor) -> str | None:
+    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
+    return check_norms(row_norms(hidden_states))
 
 
 def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
@@ -225,6 +244,7 @@ def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) 
 @dataclass
 class _Slot:
     hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
+    norms: torch.Tensor  # pinned [max_tokens, L] float32
     num_computed: torch.Tensor  # pinned [max_reqs] int32
     copied: torch.cuda.Event | None  # None on CPU
     free: threading.Event
@@ -251,6 +271,7 @@ class HiddenStatesWriter:
         self.slots = [
             _Slot(
                 torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=cuda),
+                torch.empty((max_tokens, num_layers), dtype=torch.float32, pin_memory=cuda),
                 torch.empty(max_reqs, dtype=torch.int32, pin_memory=cuda),
                 torch.cuda.Event() if cuda else None,
                 threading.Event(),
@@ -313,11 +334,13 @@ class HiddenStatesWriter:
         slot.free.clear()
         if self.stream is None:
             slot.hidden_states[:num_tokens].copy_(hidden_states)
+            slot.norms[:num_tokens].copy_(row_norms(hidden_states))
             slot.num_computed[:num_reqs].copy_(num_computed_tokens)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
+                slot.norms[:num_tokens].copy_(row_norms(hidden_states), non_blocking=True)
                 slot.num_computed[:num_reqs].copy_(num_computed_tokens, non_blocking=True)
                 slot.copied.record(self.stream)
             num_computed_tokens.record_stream(self.stream)
@@ -353,7 +376,11 @@ class HiddenStatesWriter:
                 buf = self.requests.get(req_id)
                 if buf is None:
                     continue  # aborted, or finished before this step's rows
-                buf.put(num_computed[i], slot.hidden_states[qsl[i] : qsl[i + 1]])
+                buf.put(
+                    num_computed[i],
+                    slot.hidden_states[qsl[i] : qsl[i + 1]],
+                    slot.norms[qsl[i] : qsl[i + 1]],
+                )
         finally:
             slot.free.set()
 
@@ -384,7 +411,7 @@ class HiddenStatesWriter:
                 where = "beyond the rows computed" if missing is None else missing[:5].tolist()
                 raise RuntimeError(f"hidden states missing for token positions {where}")
             hidden_states = buf.rows[:n]
-            if self.cfg.validate_rows and (why := check_rows(hidden_states)):
+            if self.cfg.validate_rows and (why := check_norms(buf.norms[:n])):
                 raise RuntimeError(why)
             write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
             ok = True
