@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one go, for a CUDA machine where vLLM is unpacked under
+# /tmp/site (see benchmarks/DEVICE.md for getting it there). Installs this checkout
+# into /tmp/site (vLLM finds plugins only by entry point), then runs the GPU tests
+# and the demo, writing logs and JSON figures to ${OUT:-./gpu-out}.
+#   bash tests/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu-out}"
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . \
+    2>&1 | grep -v WARNING
+if ls .whl/speculators-*.whl >/dev/null 2>&1; then
+    python3 -m zipfile -e .whl/speculators-*.whl /tmp/speculators-site
+    export SPECULATORS_SITE=/tmp/speculators-site
+fi
+{ git rev-parse HEAD 2>/dev/null; date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+TESTS=("$@")
+[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/test_gpu_extract.py tests/test_gpu_launch.py tests/test_gpu_tp.py)
+VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json" \
+    timeout "${SUITE_TIMEOUT:-480}" python3 -m pytest --noconftest -m gpu -v -s -p no:cacheprovider \
+    "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
+echo "pytest exit $?" >> "$OUT/env.txt"
+grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|max rel err|max relative|preemptions|aborts|chunked vs|KV cache tokens|^E " "$OUT/gpu.log" | grep -v "^(EngineCore" | head -80
+if [ "${RUN_DEMO:-1}" = 1 ]; then
+    timeout "${DEMO_TIMEOUT:-120}" python3 -m vllm_gdn_hs.cli demo --workdir /tmp/vllm-gdn-hs-demo > "$OUT/demo.log" 2>&1
+    echo "demo exit $?" >> "$OUT/env.txt"
+    grep -v "^INFO\|^(EngineCore\|^WARNING\|^\[" "$OUT/demo.log" | tail -12
+fi
+cat "$OUT/env.txt"
