@@ -77,7 +77,7 @@ def hybrid_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> di
     )
 
 
-def dense_config_dict(num_hidden_layers: int = 6, hidden_size: int = 256) -> dict:
+def dense_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> dict:
     return dict(
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
