@@ -12,8 +12,9 @@ into one results JSON. A child that fails or times out leaves an error record, n
 Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), upstream (vLLM's
             ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch size).
 Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,
-            max_tokens=1), mixed-outK (the same prompts, K generated tokens with
+            max_tokens=1), mixed-outK / NxL-outK (the same prompts, K generated tokens with
             include_output_tokens). See benchmarks/README.md.
+Smoke test: --smoke (tiny shape, 16x512 and 16x512-out8, eager), about a minute per engine.
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ class Workload:
 
 
 def make_workload(name: str, seed: int) -> Workload:
-    m = re.fullmatch(r"(\d+)x(\d+)", name)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:-out(\d+))?", name)
     if m:
-        return Workload(name, [int(m[2])] * int(m[1]))
+        return Workload(name, [int(m[2])] * int(m[1]), int(m[3] or 0))
     m = re.fullmatch(r"mixed(?:-out(\d+))?", name)
     if m:
         rng = random.Random(f"mixed:{seed}")
@@ -161,11 +162,13 @@ def make_workload(name: str, seed: int) -> Workload:
             for _ in range(MIXED_N)
         ]
         return Workload(name, lengths, int(m[1] or 0))
-    raise ValueError(f"unknown workload {name!r}: use NxL (e.g. 128x1024), mixed or mixed-outK")
+    raise ValueError(
+        f"unknown workload {name!r}: use NxL (e.g. 128x1024), NxL-outK, mixed or mixed-outK"
+    )
 
 
 def prompt_ids(w: Workload, seed: int) -> list[list[int]]:
-    base = "mixed" if w.name.startswith("mixed") else w.name
+    base = w.name.split("-out")[0]  # mixed-out256 gets the prompts of mixed
     rng = random.Random(f"tokens:{base}:{seed}")
     return [[rng.randrange(*TOKEN_RANGE) for _ in range(n)] for n in w.lengths]
 
@@ -281,20 +284,52 @@ def dir_bytes(path: str) -> tuple[int, int]:
 
 
 def write_finished(path: str) -> bool:
-    """True once path exists and no writer holds ``<path>.lock`` (as speculators' reader)."""
-    if not os.path.exists(path):
-        return False
+    """One non-blocking step of vllm_gdn_hs.reader.wait_for_file (speculators' reader): False
+    while a writer holds ``<path>.lock``; else take the lock, delete it, and require the file.
+    Raises FileNotFoundError at once when neither exists (the writer gave up)."""
+    lock = path + ".lock"
     try:
-        fd = os.open(path + ".lock", os.O_RDONLY)
+        fd = os.open(lock, os.O_RDWR)
     except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            os.remove(lock)
+        except FileNotFoundError:
+            pass
         os.close(fd)  # also releases our lock
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no hidden-states file at {path}: the write failed (see log)")
+    return True
+
+
+def bytes_needed(w: Workload, spec: dict) -> int:
+    """Hidden-state bytes one run of w writes: processed tokens x (layers x hidden x 2 B + 8 B)."""
+    hidden = model_config(spec["shape"])["text_config"]["hidden_size"]
+    return w.stats()["processed_tokens"] * (len(spec["layers"]) * hidden * 2 + 8)
+
+
+class Skip(Exception):
+    """A workload not run, for a reason given in one line (no traceback in the record)."""
+
+
+def error_text(e: Exception) -> str:
+    return str(e) if isinstance(e, Skip) else traceback.format_exc(limit=-3)
+
+
+def check_space(out_dir: str, w: Workload, spec: dict) -> None:
+    """Refuse a workload whose files would not fit (tmpfs is RAM: a full one stalls the run)."""
+    need, free = bytes_needed(w, spec), shutil.disk_usage(out_dir).free
+    if need * 1.1 > free:
+        raise Skip(
+            f"skipped: {w.name} writes about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free "
+            f"in {out_dir}"
+        )
 
 
 def drain(out_dir: str, outputs, expected: int, timeout: float) -> float:
@@ -351,7 +386,10 @@ def engine_kwargs(spec: dict) -> dict:
         kw["kv_transfer_config"] = {
             "kv_connector": connector,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": spec["out_dir"]},
+            "kv_connector_extra_config": {
+                "shared_storage_path": spec["out_dir"],
+                **spec.get("connector_config", {}),
+            },
         }
     kw.update(spec["extra_engine_kwargs"])
     return kw
@@ -364,12 +402,27 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = dict(startup_s=round(time.perf_counter() - t0, 1), startup_peak_gpu_mib=poller.take())
+    try:  # what vLLM chose, for reading the figures (0.20.1 attribute names)
+        c = llm.llm_engine.vllm_config
+        startup["engine_config"] = dict(
+            async_scheduling=c.scheduler_config.async_scheduling,
+            hybrid_kv_cache_manager=not c.scheduler_config.disable_hybrid_kv_cache_manager,
+            max_num_seqs=c.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
+            block_size=c.cache_config.block_size,
+            prefix_caching=c.cache_config.enable_prefix_caching,
+        )
+    except Exception as e:
+        startup["engine_config"] = repr(e)
     connector = spec["variant"] in CONNECTORS
     out_dir = spec["out_dir"]
     for name in spec["workloads"]:
         w = make_workload(name, spec["seed"])
         rec = dict(w.stats(), **startup, engine_kwargs=kwargs)
         try:
+            reset_dir(out_dir)
+            if connector:
+                check_space(out_dir, w, spec)
             prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(w, spec["seed"])]
             extra = None
             if w.output_tokens and connector:
@@ -379,7 +432,6 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
                 max_tokens=min(w.max_tokens, 8), ignore_eos=True, extra_args=extra
             )
             rec["sampling"] = dict(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
-            reset_dir(out_dir)
             outs = llm.generate(prompts[:WARMUP_PROMPTS], warm, use_tqdm=False)
             if connector:
                 drain(out_dir, outs, len(outs), spec["drain_timeout"])
@@ -398,20 +450,28 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
                 bytes_written=nbytes,
                 peak_gpu_mib=poller.take(),
             )
-        except Exception:
-            rec["error"] = traceback.format_exc(limit=-3)
+        except Exception as e:
+            rec["error"] = error_text(e)
         emit(rec)
         reset_dir(out_dir)
     shutil.rmtree(out_dir, ignore_errors=True)
+    try:  # as tests/test_gpu_extract.py; the parent kills whatever is left
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:
+        print(f"[bench] engine shutdown: {e!r}", flush=True)
 
 
 def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
-    """transformers forward with hooks on the chosen layers; saves upstream's file format."""
+    """transformers forward with hooks on the chosen layers; saves upstream's file format.
+
+    Builds the language model alone (Qwen3_5ForCausalLM from text_config, random weights, on
+    the GPU), as vllm_gdn_hs.testing does: transformers 5.17 cannot build this config's vision
+    tower, and vLLM's language_model_only skips it too."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         import fla  # noqa: F401  (transformers picks up fla's GDN kernels when importable)
@@ -421,10 +481,11 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
         fla_ok = False
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    cfg = AutoConfig.from_pretrained(spec["model_dir"])
-    cfg = getattr(cfg, "text_config", cfg)
-    with torch.device(dev):
-        model = AutoModel.from_config(cfg, dtype=torch.bfloat16).to(dev).eval()
+    text = dict(model_config(spec["shape"])["text_config"])
+    cfg = AutoConfig.for_model(text.pop("model_type"), **text)
+    torch.manual_seed(0)
+    with torch.device(dev):  # weights made and initialised on the GPU, no CPU copy
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     if dev == "cuda":
         torch.cuda.synchronize()
     startup = dict(
@@ -432,6 +493,8 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
         startup_peak_gpu_mib=poller.take(),
         fla_available=fla_ok,
         device=dev,
+        hf_model=type(model).__name__,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
     )
 
     captured: dict[int, torch.Tensor] = {}
@@ -442,8 +505,9 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
 
         return fn
 
+    body = model.model  # the decoder stack under the LM head
     for k in spec["layers"]:  # id 0 is the embeddings, id k the output of decoder layer k-1
-        (model.embed_tokens if k == 0 else model.layers[k - 1]).register_forward_hook(hook(k))
+        (body.embed_tokens if k == 0 else body.layers[k - 1]).register_forward_hook(hook(k))
 
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hf-hs-save")
     out_dir = spec["out_dir"]
@@ -454,8 +518,8 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
         x = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
         for j, seq in enumerate(ids):
             x[j, : len(seq)] = torch.tensor(seq)
-        with torch.inference_mode():
-            model(input_ids=x.to(dev), use_cache=False)
+        with torch.inference_mode():  # logits of the last position only, as vLLM's prefill
+            model(input_ids=x.to(dev), use_cache=False, logits_to_keep=1)
             hs = torch.stack([captured[k] for k in spec["layers"]], dim=2).cpu()  # B,T,layers,H
         captured.clear()
         if names is None:
@@ -482,6 +546,7 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
             try:
                 batches = [order[i : i + bs] for i in range(0, len(order), bs)]
                 reset_dir(out_dir)
+                check_space(out_dir, w, spec)
                 for n in (1024, 1023):  # warm-up; Triton specialises lengths on n % 16 == 0
                     run_batch([all_ids[i][:n] for i in batches[0]], None)
                 if dev == "cuda":
@@ -509,8 +574,8 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
                     if dev == "cuda"
                     else None,
                 )
-            except Exception:
-                rec["error"] = traceback.format_exc(limit=-3)
+            except Exception as e:
+                rec["error"] = error_text(e)
             captured.clear()
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -561,19 +626,22 @@ def worker_main(spec_path: str) -> int:
 
 
 def run_child(cmd: list[str], log_path: str, timeout: float, env: dict) -> tuple[int | None, str]:
-    """Run cmd in its own process group, tee its output to log_path; kill the group on timeout."""
+    """Run cmd in its own process group, tee its output to log_path; kill the group on timeout.
+
+    A process group, not a new session: if this parent is killed, whoever ends the caller's
+    session (the device machine's call, a shell) still ends the child and its engine core."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
-        start_new_session=True,
+        preexec_fn=os.setpgrp,
         text=True,
         errors="replace",
     )
 
     def tee() -> None:
-        with open(log_path, "w") as log:
+        with open(log_path, "w", buffering=1) as log:
             for line in proc.stdout:
                 log.write(line)
                 sys.stdout.write(line)
@@ -596,7 +664,7 @@ def run_child(cmd: list[str], log_path: str, timeout: float, env: dict) -> tuple
         return rc, ANSI_RE.sub("", f.read())
 
 
-def wait_gpu_released(limit_mib: int = 4096, timeout: float = 60) -> None:
+def wait_gpu_released(limit_mib: int = 4096, timeout: float = 30) -> None:
     t0 = time.time()
     while time.time() - t0 < timeout:
         used = gpu_mem_used_mib()
@@ -624,17 +692,49 @@ def error_summary(error: str, log: str) -> str:
     return causes[-1].strip() if causes else last
 
 
+def load_records(path: str) -> list[dict]:
+    """The records already in a results JSON ([] if there is none); raises if it is unreadable."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    records = data["records"] if isinstance(data, dict) else data
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: no list of records")
+    return records
+
+
 def merge_results(path: str, new: list[dict]) -> None:
-    records = []
-    if os.path.exists(path):
-        with open(path) as f:
-            data = json.load(f)
-        records = data["records"] if isinstance(data, dict) else data
+    """Append new records to path, atomically; never overwrite a file it cannot read."""
+    try:
+        records = load_records(path)
+    except (OSError, ValueError, KeyError) as e:
+        path = path + f".{int(time.time())}.json"  # keep both: the old file is left as it is
+        print(f"[bench] warning: cannot read the results file ({e}): writing {path}", flush=True)
+        records = []
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump({"records": records + new}, f, indent=1)
     os.replace(tmp, path)
+
+
+def plugin_problem() -> str | None:
+    """Why the ours variant cannot run here (checked before any engine starts), or None."""
+    eps = metadata.entry_points(group="vllm.general_plugins")
+    if not any(ep.name == "vllm_gdn_hs" for ep in eps):
+        return (
+            "skipped: vllm-gdn-hs is not installed (no vllm.general_plugins entry point); "
+            "install it: python3 -m pip install --no-deps --no-build-isolation --no-index "
+            "--target /tmp/site ."
+        )
+    reqs = metadata.requires("vllm-gdn-hs") or []
+    pins = [re.fullmatch(r"vllm\s*==\s*([\w.]+)", r) for r in reqs]
+    want = [m[1] for m in pins if m]
+    have = (dist_version("vllm") or "none").split("+")[0]
+    if want and have not in want:
+        return f"skipped: vllm-gdn-hs supports vllm {', '.join(want)}, found vllm {have}"
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -678,6 +778,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON object merged into LLM(...) for the vLLM variants, "
         """e.g. '{"max_num_seqs": 512}'""",
     )
+    p.add_argument(
+        "--connector-config",
+        default="{}",
+        help="JSON object merged into kv_connector_extra_config for ours/upstream, "
+        """e.g. '{"validate_rows": false}'""",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="smoke test: --shape tiny --workloads 16x512,16x512-out8 --eager",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=540, help="hard limit per variant, seconds")
     p.add_argument(
@@ -697,6 +808,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker:
         return args
+    if args.smoke:
+        args.shape, args.workloads, args.eager = "tiny", "16x512,16x512-out8", True
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants:
@@ -717,17 +830,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not all(0 <= k <= n for k in args.layers):
         p.error(f"--layers must lie in 0..{n} for the {args.shape} shape ({n} layers)")
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
+    for name in ("extra_engine_kwargs", "connector_config"):
+        try:
+            setattr(args, name, dict(json.loads(getattr(args, name))))
+        except (ValueError, TypeError) as e:
+            p.error(f"--{name.replace('_', '-')} must be a JSON object: {e}")
     try:
-        args.extra_engine_kwargs = dict(json.loads(args.extra_engine_kwargs))
-    except (ValueError, TypeError) as e:
-        p.error(f"--extra-engine-kwargs must be a JSON object: {e}")
+        load_records(args.results)  # an unreadable results file stops us before any GPU work
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"--results {args.results} exists but cannot be read ({e}): fix or move it")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args.worker)
+        rc = worker_main(args.worker)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # no interpreter teardown to hang in; the parent reaps the process group
     model_dir = write_model_dir(args.model_root, args.shape)
     os.makedirs(args.log_dir, exist_ok=True)
     mode = "eager" if args.eager else "cudagraph"
@@ -751,12 +873,19 @@ def main(argv: list[str] | None = None) -> int:
             f"min {s['min_len']}, max {s['max_len']}, "
             f"{s['output_tokens_requested']} output tokens"
         )
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
+    base_env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
     tmpdir = tempfile.mkdtemp(prefix="vllm_gdn_hs_bench_")
-    deadline, summary = time.time() + args.budget, []
+    deadline, summary = started + args.budget, []
     for variant in args.variants:
+        env = dict(base_env)
+        if variant != "ours" and "VLLM_PLUGINS" not in env:
+            # plain and upstream run without vLLM plugins: vLLM as shipped, and our plugin
+            # refuses to load on a vLLM it does not support (0.26.0), which would stop the engine
+            env["VLLM_PLUGINS"] = ""
+        problem = plugin_problem() if variant == "ours" else None
         spec = dict(
             variant=variant,
+            shape=args.shape,
             model_dir=model_dir,
             layers=args.layers,
             workloads=args.workloads,
@@ -766,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             hf_batch_sizes=args.hf_batch_sizes,
             extra_engine_kwargs=args.extra_engine_kwargs,
+            connector_config=args.connector_config,
             seed=args.seed,
             drain_timeout=args.drain_timeout,
             result_file=os.path.join(tmpdir, f"{variant}.json"),
@@ -777,6 +907,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {variant}: {shlex.join(cmd)}", flush=True)
         if variant != "hf":
             print(f"[bench] {variant}: LLM(**{engine_kwargs(spec)})", flush=True)
+        if problem:
+            print(f"[bench] {variant}: {problem}", flush=True)
+        if variant != "plain":
+            parent = os.path.dirname(spec["out_dir"])
+            while not os.path.exists(parent):
+                parent = os.path.dirname(parent)
+            worst = max(bytes_needed(make_workload(n, args.seed), spec) for n in args.workloads)
+            print(
+                f"[bench] {variant}: largest workload writes {worst / 1e9:.1f} GB; "
+                f"{shutil.disk_usage(parent).free / 1e9:.1f} GB free in {parent}",
+                flush=True,
+            )
         if args.dry_run:
             continue
         vmode = "eager" if variant == "hf" else mode  # transformers runs eagerly
@@ -785,16 +927,20 @@ def main(argv: list[str] | None = None) -> int:
         timeout = args.timeout
         if args.budget:
             timeout = min(timeout, deadline - t0 - 20)  # 20 s to kill, wait and write results
-        rc, log, skip = None, "", args.budget and timeout < 30
+        out_of_budget = args.budget and deadline - t0 - 20 < 30
+        rc, log, skip = None, "", bool(problem or out_of_budget)
         if not skip:
             rc, log = run_child(cmd, log_path, timeout, env)
             wait_gpu_released()
+            shutil.rmtree(spec["out_dir"], ignore_errors=True)  # a killed worker leaves files
         records = []
         if os.path.exists(spec["result_file"]):
             with open(spec["result_file"]) as f:
                 records = json.load(f)
         done = {r["workload"] for r in records}
-        if skip:
+        if problem:
+            why = problem
+        elif skip:
             why = f"skipped: not started, {deadline - t0:.0f} s left of --budget {args.budget:.0f}"
         elif rc is None:
             why = f"timed out after {timeout:.0f} s (--timeout/--budget)"
@@ -817,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
                     argv=shlex.join([sys.executable] + sys.argv),
                     spec=spec,
                     VLLM_USE_FLASHINFER_SAMPLER="0",
+                    VLLM_PLUGINS=env.get("VLLM_PLUGINS"),
                 ),
                 **(kv_cache_info(log) if variant != "hf" else {}),
             )
@@ -836,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             res = (
                 f"{r['prompt_tokens'] / r['gen_s']:9,.0f} tok/s  drain {r['drain_s']:6.2f} s  "
-                f"KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
+                f"files {r['files']}  KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
             )
         bs = r.get("batch_size", "-")
         print(f"  {r['variant']:9s} {r['workload']:13s} bs={bs!s:3s} {res}")

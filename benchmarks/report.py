@@ -177,7 +177,8 @@ def conditions(records: list[dict]) -> str:
         f"torch {ver('torch')}; transformers {ver('transformers')}; fla {ver('fla')}; "
         f'vllm-gdn-hs {ver("vllm_gdn_hs")}. Dummy weights (`load_format="dummy"`), bf16, '
         "`language_model_only`, prefix caching off, `gdn_prefill_backend=triton`, "
-        f"`VLLM_USE_FLASHINFER_SAMPLER=0`, gpu_memory_utilization "
+        "`VLLM_USE_FLASHINFER_SAMPLER=0`, plain and upstream without vLLM plugins "
+        f"(`VLLM_PLUGINS=`), gpu_memory_utilization "
         f"{flag('gpu_memory_utilization')}, max_model_len {flag('max_model_len')}, extra engine "
         f"kwargs {flag('extra_engine_kwargs')}. Random-token prompts, seed {flag('seed')}. "
         f"Roofline: {PEAK_TFLOPS} TFLOP/s bf16 (formula in benchmarks/report.py)."
