@@ -36,6 +36,8 @@ def no_exec(monkeypatch):
         raise AssertionError(f"os.execvp called: {args}")
 
     monkeypatch.setattr(launch.os, "execvp", refuse)
+    # flashinfer present, unless a test says otherwise (see test_triton_gdn_prefill_*).
+    monkeypatch.setattr(launch, "_has_flashinfer", lambda: True)
 
 
 @pytest.fixture
@@ -510,3 +512,26 @@ def test_cli_launch_error(hybrid):
     assert "pipeline parallelism is not supported" in p.stderr and "Traceback" not in p.stderr
     q = run("-m", "vllm_gdn_hs.cli", "launch", "--help")
     assert q.returncode == 0 and q.stdout.startswith("usage: vllm-gdn-hs launch ")
+
+
+# --- GDN prefill backend without flashinfer --------------------------------------------------
+
+
+def test_triton_gdn_prefill_without_flashinfer(hybrid, monkeypatch):
+    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    cmd = launch.build_command(launch.parse_args([hybrid]))
+    i = cmd.index("--additional-config")
+    assert json.loads(cmd[i + 1]) == {"gdn_prefill_backend": "triton"}
+
+
+def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
+    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    user = '{"gdn_prefill_backend": "flashinfer"}'
+    cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
+    assert cmd.count("--additional-config") == 1
+    assert cmd[cmd.index("--additional-config") + 1] == user
+
+
+def test_no_gdn_backend_flag_for_dense_models(dense, monkeypatch):
+    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    assert "--additional-config" not in launch.build_command(launch.parse_args([dense]))

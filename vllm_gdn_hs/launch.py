@@ -198,7 +198,20 @@ def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
         extra.append("--no-enable-prefix-caching")
     if info.multimodal and _bool_flag(vllm_args, "language-model-only") is None:
         extra.append("--language-model-only")
+    if (
+        info.is_hybrid
+        and not _has_flashinfer()
+        and not _last_value(vllm_args, {"--additional-config"})
+    ):
+        # vLLM's default GDN prefill kernel on Hopper comes from flashinfer.
+        extra += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
     return extra
+
+
+def _has_flashinfer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
