@@ -353,9 +353,20 @@ class HiddenStatesWriter:
         if not done.wait(timeout):
             logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME, timeout)
         self.pool.shutdown(wait=True)
+        unfinished = list(self.requests)
         for buf in self.requests.values():  # never finished: leave no lock behind
             _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
         self.requests.clear()
+        logger.info(
+            "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s",
+            CONNECTOR_NAME,
+            self.stats["files"],
+            self.stats["bytes"] / 1e9,
+            self.stats["failed"],
+            self.stats["dropped"],
+            len(unfinished),
+            f" ({', '.join(unfinished[:5])})" if unfinished else "",
+        )
 
     # -- drain thread -----------------------------------------------------
     @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
