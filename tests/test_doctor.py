@@ -68,3 +68,17 @@ def test_demo_without_gpu_says_so_and_runs_doctor(tmp_path):
     assert r.returncode == 1
     assert "needs a CUDA GPU" in r.stdout
     assert "plugin via vllm.general_plugins" in r.stdout  # the doctor table followed
+
+
+def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsys):
+    from packaging.version import Version
+
+    import vllm_gdn_hs.version as version
+    from vllm_gdn_hs.doctor import run_doctor
+
+    monkeypatch.setattr(version, "installed_vllm", lambda: Version("0.19.0"))
+    assert run_doctor() == 1
+    out = capsys.readouterr().out
+    assert "FAIL  vllm" in out
+    assert "supports vllm==0.20.1, found vllm 0.19.0" in out
+    assert "pip install 'vllm==0.20.1'" in out
