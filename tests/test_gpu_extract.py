@@ -184,7 +184,12 @@ def test_hybrid_eager_chunked(models, reference, tmp_path):
         ]
         engine_.step()
         engine_.abort_request([f"abort-{i}" for i in range(len(long))])
-        _generate(llm, BASE[:2])  # keeps the engine stepping past the aborts
+        # Drain here: LLM.generate would also collect (and fail to sort) the outputs
+        # of any abort-* request that finished before its abort landed.
+        deadline = time.monotonic() + 60
+        while engine_.has_unfinished_requests() and time.monotonic() < deadline:
+            engine_.step()
+        _generate(llm, BASE[:2])  # the engine steps on past the aborts
         deadline = time.monotonic() + 10
         while any(f.endswith(".lock") and f.startswith("abort-") for f in os.listdir(tmp_path)):
             if time.monotonic() > deadline:
