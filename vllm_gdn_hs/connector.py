@@ -330,7 +330,16 @@ class HiddenStatesWriter:
         slot = self.slots[self.next_slot]
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         if not slot.free.is_set():  # host back-pressure: the drain thread is behind
+            start = time.monotonic()
             slot.free.wait()
+            if (waited := time.monotonic() - start) > 0.5:
+                logger.warning_once(
+                    "%s: the engine waited %.1f s for host buffers: writing hidden states "
+                    "is slower than the GPU (write to faster storage, or raise host_buffers "
+                    "/ write_workers)",
+                    CONNECTOR_NAME,
+                    waited,
+                )
         slot.free.clear()
         if self.stream is None:
             slot.hidden_states[:num_tokens].copy_(hidden_states)
