@@ -1,0 +1,61 @@
+"""KV cache capacity with extraction vs plain vLLM, at the Qwen3.6-27B shape, from vLLM's own
+sizing code (real layer specs on the meta device, get_kv_cache_configs); CPU only.
+
+Run: python -m pytest tests/test_kv_capacity.py -q   (no GPU, no network)
+The bar (issue: >= 95% of plain) holds at long context; at short context the
+extract_hidden_states method's speculative GDN state blocks cost up to 19%: that case is a
+strict xfail, so closing the gap turns it into a failure that asks to drop the marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import harness
+import pytest
+from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYERS = [1, 16, 31, 46, 61, 64]
+KV_MEMORY = 100 * 2**30
+
+
+@pytest.fixture(scope="module")
+def model_27b(tmp_path_factory) -> str:
+    with open(os.path.join(HERE, "..", "benchmarks", "qwen3.6-27b-config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("_comment", None)
+    path = tmp_path_factory.mktemp("qwen3.6-27b")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _tokens(model: str, max_model_len: int, extract: bool) -> int:
+    kw = dict(enable_prefix_caching=False, max_model_len=max_model_len)
+    if extract:
+        kw.update(connector=harness.OURS, layer_ids=LAYERS)
+    else:
+        kw.update(connector=None, layer_ids=None)
+    cfg = harness.engine_config(model, **kw)
+    kcc = harness.kv_cache_config(cfg, memory=KV_MEMORY)
+    return int(get_max_concurrency_for_kv_cache_config(cfg, kcc) * max_model_len)
+
+
+@pytest.mark.parametrize(
+    "max_model_len",
+    [
+        262144,
+        pytest.param(
+            8448,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="80.7%: the speculative method's extra GDN state block per request",
+            ),
+        ),
+    ],
+)
+def test_capacity_at_least_95_percent_of_plain(model_27b, max_model_len):
+    plain = _tokens(model_27b, max_model_len, extract=False)
+    ours = _tokens(model_27b, max_model_len, extract=True)
+    assert ours >= 0.95 * plain, f"{ours:,} vs {plain:,} tokens ({ours / plain:.1%})"
