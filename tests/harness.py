@@ -75,19 +75,20 @@ def _init_dist(vllm_config: VllmConfig) -> None:
         init_distributed_environment,
     )
 
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        backend="gloo",
-        distributed_init_method=f"file://{tempfile.mktemp()}",
-    )
-    ensure_model_parallel_initialized(1, 1)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{tempfile.mktemp()}",
+        )
+        ensure_model_parallel_initialized(1, 1)
     _dist_ready = True
 
 
 def _load_drafter(vllm_config: VllmConfig) -> None:
-    """Run the real (possibly patched) ``ExtractHiddenStatesProposer.load_model``.
+    """Run the real ``ExtractHiddenStatesProposer.load_model``.
 
     Only its edges are replaced: weights (``get_model`` builds the draft model
     on the meta device) and the worker-side connector object.
@@ -103,11 +104,6 @@ def _load_drafter(vllm_config: VllmConfig) -> None:
 
     proposer = object.__new__(ehs.ExtractHiddenStatesProposer)
     proposer.vllm_config, proposer.device = vllm_config, torch.device("cpu")
-    proposer.streams_hidden_states = (
-        vllm_config.kv_transfer_config is not None
-        and vllm_config.kv_transfer_config.kv_connector == OURS
-        and getattr(ehs.ExtractHiddenStatesProposer, "_vllm_gdn_hs_patched", False)
-    )
     with (
         mock.patch.object(ehs, "get_model", get_model),
         mock.patch.object(kv_transfer, "has_kv_transfer_group", lambda: True),

@@ -31,18 +31,31 @@ def test_valid_config_starts(hybrid_model, tmp_path):
     assert storage.is_dir() and os.listdir(storage) == []  # created, probe removed
 
 
-def test_no_speculative_config(hybrid_model, tmp_path):
+def test_no_layer_ids_anywhere(hybrid_model, tmp_path):
     cfg = harness.engine_config(hybrid_model, layer_ids=None, storage=str(tmp_path))
     assert cfg.speculative_config is None
     with pytest.raises(ValueError) as e:
         make(cfg)
     msg = str(e.value)
-    assert "needs the extract_hidden_states speculative method" in msg
+    assert "needs the layer ids to extract" in msg
     assert "--speculative-config" in msg and '"method": "extract_hidden_states"' in msg
-    assert "eagle_aux_hidden_state_layer_ids" in msg
+    assert "eagle_aux_hidden_state_layer_ids" in msg and "kv_connector_extra_config" in msg
 
 
-def test_wrong_speculative_method(hybrid_model, tmp_path):
+def test_layer_ids_in_extra_config_need_no_speculative_config(hybrid_model, tmp_path):
+    cfg = harness.engine_config(hybrid_model, layer_ids=None, storage=str(tmp_path))
+    cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] = [2, 8]
+    assert make(cfg).layer_ids == [2, 8]
+
+
+def test_layer_ids_given_twice_and_different(hybrid_model, tmp_path):
+    args = harness.engine_args(hybrid_model, layer_ids=(1, 8), storage=str(tmp_path))
+    args.kv_transfer_config["kv_connector_extra_config"]["layer_ids"] = [1, 4]
+    with pytest.raises(ValueError, match=r"layer ids given twice and different: \[1, 8\]"):
+        args.create_engine_config()
+
+
+def test_other_speculative_method(hybrid_model, tmp_path):
     cfg = harness.engine_config(
         hybrid_model,
         layer_ids=None,
@@ -55,7 +68,7 @@ def test_wrong_speculative_method(hybrid_model, tmp_path):
         },
     )
     assert cfg.speculative_config.method == "ngram"
-    with pytest.raises(ValueError, match="needs the extract_hidden_states speculative method"):
+    with pytest.raises(ValueError, match="method 'ngram' cannot run with it"):
         make(cfg)
 
 
@@ -75,7 +88,7 @@ def test_bad_layer_ids(hybrid_model, tmp_path, ids, expected):
     with pytest.raises(ValueError) as e:
         make(cfg)
     msg = str(e.value)
-    assert msg.startswith("HybridHiddenStatesConnector: eagle_aux_hidden_state_layer_ids: ")
+    assert msg.startswith("HybridHiddenStatesConnector: layer ids: ")
     assert expected in msg
 
 
@@ -85,10 +98,10 @@ def test_bad_layer_ids_dense(dense_model, tmp_path):
         make(cfg)
 
 
-def test_no_layer_ids(hybrid_model, tmp_path):
+def test_empty_layer_ids(hybrid_model, tmp_path):
     cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
-    cfg.speculative_config.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids = []
-    with pytest.raises(ValueError, match="no layer ids given; pass at least one"):
+    cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] = []
+    with pytest.raises(ValueError, match="needs the layer ids to extract"):
         make(cfg)
 
 

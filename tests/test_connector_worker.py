@@ -51,7 +51,6 @@ def make_writer(storage, **cfg) -> HiddenStatesWriter:
     return HiddenStatesWriter(
         HiddenStatesConfig(shared_storage_path=str(storage), **cfg),
         max_tokens=64,
-        max_reqs=8,
         num_layers=L,
         hidden=H,
         dtype=torch.bfloat16,
@@ -102,7 +101,7 @@ def save(writer, *chunks: tuple[str, int, torch.Tensor]) -> None:
         torch.cat([r for _, _, r in chunks]),
         [c[0] for c in chunks],
         torch.tensor(qsl, dtype=torch.int32),
-        torch.tensor([c[1] for c in chunks], dtype=torch.int32),
+        torch.cat([torch.arange(p, p + r.shape[0]) for _, p, r in chunks]),
     )
 
 

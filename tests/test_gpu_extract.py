@@ -251,15 +251,12 @@ def test_dense(models, reference, tmp_path):
 def test_kv_cache_capacity(models, tmp_path, capfd):
     """Extraction keeps >= 95% of the KV cache capacity of plain vLLM.
 
-    vLLM reports capacity as max concurrency x max_model_len. The speculative
-    method makes each GDN layer keep one more state block per request; that is
-    the only difference, so it is measured at a realistic context length.
+    vLLM reports capacity as max concurrency x max_model_len. Measured at a short
+    context, where per-request GDN state weighs most.
     """
     caps, mem = {}, {}
     for extract in (False, True):
-        with engine(
-            models["hybrid"], "hybrid", str(tmp_path), extract=extract, max_model_len=32768
-        ):
+        with engine(models["hybrid"], "hybrid", str(tmp_path), extract=extract):
             pass
         log = capfd.readouterr()
         text = log.out + log.err
@@ -272,7 +269,7 @@ def test_kv_cache_capacity(models, tmp_path, capfd):
         "extract": caps[True],
         "plain_GiB": mem[False],
         "extract_GiB": mem[True],
-        "max_model_len": 32768,
+        "max_model_len": 2048,
     }
     print(f"\nKV cache tokens: {caps}, memory GiB: {mem}")
     assert caps[False] and caps[True]

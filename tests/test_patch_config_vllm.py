@@ -1,10 +1,11 @@
-"""vllm_gdn_hs.patch.patch_config_vllm: HMA kept on for connectors that support it; CPU only.
+"""vllm_gdn_hs.patch.patch_config_vllm: HMA on, no speculative decoding for our connector; CPU.
 
 Run: python -m pytest tests/test_patch_config_vllm.py -q (no GPU, no network).
 Covers, on real VllmConfigs of the tiny hybrid model built through EngineArgs: HMA stays on
 for HybridHiddenStatesConnector when the user said nothing; an explicit choice is kept;
-connectors without SupportsHMA still get vLLM's own rule (HMA off); and the patch wraps the
-original __post_init__ rather than replacing it.
+connectors without SupportsHMA still get vLLM's own rule (HMA off); an extract_hidden_states
+speculative config becomes the connector's layer ids (no speculation runs); and the patch
+wraps the original __post_init__ rather than replacing it.
 """
 
 from __future__ import annotations
@@ -72,3 +73,32 @@ def test_unknown_connector_is_left_to_vllm():
     cfg = VllmConfig.__new__(VllmConfig)
     cfg.kv_transfer_config = KVTransferConfig(kv_connector="NoSuchConnector", kv_role="kv_both")
     assert patch_config_vllm._connector_supports_hma(cfg) is False
+
+
+def test_speculative_config_becomes_layer_ids(hybrid_model):
+    """speculators' extract_hidden_states flags carry only the layer ids: no speculation runs."""
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
+    assert cfg.speculative_config is None
+    assert cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] == [8, 1, 4]
+    # So the scheduler plans no draft tokens, as for plain vLLM.
+    assert (
+        cfg.scheduler_config.max_num_batched_tokens
+        == harness.engine_config(
+            hybrid_model, connector=None, layer_ids=None
+        ).scheduler_config.max_num_batched_tokens
+    )
+
+
+def test_same_layer_ids_given_twice_are_fine(hybrid_model):
+    args = harness.engine_args(hybrid_model, connector=harness.OURS, layer_ids=(1, 8))
+    args.kv_transfer_config["kv_connector_extra_config"]["layer_ids"] = [1, 8]
+    assert args.create_engine_config().kv_transfer_config.kv_connector_extra_config[
+        "layer_ids"
+    ] == [1, 8]
+
+
+def test_stock_connector_keeps_its_speculative_config(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=harness.STOCK, layer_ids=(1, 8))
+    assert cfg.speculative_config is not None
+    assert cfg.speculative_config.method == "extract_hidden_states"
+    assert "layer_ids" not in cfg.kv_transfer_config.kv_connector_extra_config

@@ -2,9 +2,10 @@
 
 The source patch series in patches/<vllm version>/: every patch applies, in series order and
 with no fuzz, to a copy of the installed vLLM's files, and the patched files compile; the
-series lists every patch once; each patch has its DEP-3 header and no line of this plugin;
-VLLM_VERSION is the vllm pin in pyproject.toml. Skipped (with the reason) where the `patch`
-binary is missing or the installed vLLM is not the series' release.
+series lists every patch once, one per runtime patch module in the order they apply; each
+patch has its DEP-3 header, names its runtime patch in Origin and adds no line of this
+plugin; VLLM_VERSION is the vllm pin in pyproject.toml. Skipped (with the reason) where the
+`patch` binary is missing or the installed vLLM is not the series' release.
 """
 
 from __future__ import annotations
@@ -65,6 +66,23 @@ def test_series_lists_every_patch_once_in_order():
     files = sorted(f for f in os.listdir(SERIES_DIR) if f.endswith(".patch"))
     assert SERIES == files
     assert all(re.match(r"\d{4}-[a-z0-9-]+\.patch$", f) for f in SERIES), SERIES
+
+
+def test_series_is_one_twin_per_runtime_patch_in_order():
+    # patch_worker_gpu_model_runner -> a patch naming worker, gpu, model and runner,
+    # whose Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py.
+    from vllm_gdn_hs.patch import PATCHES as RUNTIME_PATCHES
+
+    modules = RUNTIME_PATCHES[VERSION]
+    assert len(SERIES) == len(modules), (SERIES, modules)
+    for index, (name, module) in enumerate(zip(SERIES, modules, strict=True), start=1):
+        assert name.startswith(f"{index:04d}-"), name
+        words = module.removeprefix("patch_").split("_")
+        assert all(w in name for w in words), (name, module)
+        with open(os.path.join(SERIES_DIR, name)) as f:
+            header = f.read().split("\n---\n", 1)[0]
+        origin = re.search(r"^Origin: (.*)$", header, re.M)
+        assert origin and f"vllm_gdn_hs/patch/{module}.py" in origin.group(1), name
 
 
 @pytest.mark.parametrize("name", SERIES)

@@ -6,15 +6,18 @@ hidden states in the paged KV cache, and subclasses ``SupportsHMA`` so GDN
 hybrid models (Qwen3.5/3.6) run with the hybrid KV cache manager on.
 
 Data path, per step:
+- configuration: the ``extract_hidden_states`` speculative config that
+  speculators passes only carries the layer ids; the plugin turns it into
+  ``kv_connector_extra_config["layer_ids"]`` and runs no speculative decoding
+  (``patch/patch_config_vllm.py``);
 - scheduler side: tells the worker which requests are new (file path,
   prompt length) and which finished (token ids to write, or aborted);
-- worker side: ``ExtractHiddenStatesProposer.propose`` (patched, see
-  ``patch/patch_spec_decode_extract_hidden_states.py``) stacks the target
-  model's aux hidden states into a one-step GPU buffer and calls
-  :meth:`HybridHiddenStatesConnector.save_hidden_states`, which copies them to
-  a pinned host buffer on a side stream. A drain thread scatters rows into
-  per-request host tensors by position (later rows for a position overwrite
-  earlier ones: chunked prefill, preemption and rejected draft tokens all
+- worker side: after each forward pass the runner (``patch/patch_worker_gpu_model_runner.py``)
+  copies the target model's aux hidden states into a one-step GPU buffer and
+  calls :meth:`HybridHiddenStatesConnector.save_hidden_states`, which copies
+  them and their token positions to a pinned host buffer on a side stream. A
+  drain thread scatters rows into per-request host tensors by position (a
+  position written again keeps the later row: chunked prefill and preemption
   come out right), and a thread pool writes finished requests atomically.
 
 Files: ``{shared_storage_path}/{req_id}.safetensors`` with ``hidden_states``
@@ -64,6 +67,7 @@ class HiddenStatesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     shared_storage_path: str = "/tmp/hidden_states"
+    layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
     host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
     write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
@@ -81,16 +85,22 @@ def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
 def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
     """Startup checks; each error names the fix. Returns the layer ids."""
     spec = vllm_config.speculative_config
-    if spec is None or spec.method != "extract_hidden_states":
+    if spec is not None:
         raise ValueError(
-            f"{CONNECTOR_NAME} needs the extract_hidden_states speculative method: pass "
-            '--speculative-config \'{"method": "extract_hidden_states", '
-            '"num_speculative_tokens": 1, "draft_model_config": {"hf_config": '
-            '{"eagle_aux_hidden_state_layer_ids": [...]}}}\''
+            f"{CONNECTOR_NAME} extracts hidden states without speculative decoding; "
+            f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
+            '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
     layer_ids = list(
-        getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None) or []
+        (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("layer_ids") or []
     )
+    if not layer_ids:
+        raise ValueError(
+            f"{CONNECTOR_NAME} needs the layer ids to extract: pass --speculative-config "
+            '\'{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
+            '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}\' '
+            'or "layer_ids": [...] in kv_connector_extra_config'
+        )
     n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError(
@@ -103,7 +113,7 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
     try:
         validate_layer_ids(layer_ids, n)
     except ValueError as e:
-        raise ValueError(f"{CONNECTOR_NAME}: eagle_aux_hidden_state_layer_ids: {e}") from None
+        raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     if vllm_config.cache_config.enable_prefix_caching:
         raise ValueError(
             f"{CONNECTOR_NAME} does not support prefix caching (cached prefixes have no hidden "
@@ -166,16 +176,26 @@ class _RequestBuffer:
         self.seen = torch.zeros(req.num_prompt_tokens, dtype=torch.bool)
         self.lock_fd = _take_lock(req.path + ".lock")
 
-    def put(self, start: int, rows: torch.Tensor, norms: torch.Tensor | None = None) -> None:
-        end = start + rows.shape[0]
-        if end > self.rows.shape[0]:  # generated tokens (include_output_tokens)
-            cap = max(end, 2 * self.rows.shape[0])
+    def put(
+        self, positions: torch.Tensor, rows: torch.Tensor, norms: torch.Tensor | None = None
+    ) -> None:
+        """Rows at these token positions; a position written again keeps the later row."""
+        if positions.numel() == 0:
+            return
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        if int(positions.max()) + 1 > self.rows.shape[0]:  # generated tokens
+            cap = max(int(positions.max()) + 1, 2 * self.rows.shape[0])
             self.rows, self.norms, self.seen = (
                 _grow(t, cap) for t in (self.rows, self.norms, self.seen)
             )
-        self.rows[start:end] = rows
-        self.norms[start:end] = row_norms(rows) if norms is None else norms
-        self.seen[start:end] = True
+        norms = row_norms(rows) if norms is None else norms
+        if end - start == rows.shape[0] and bool((positions[1:] > positions[:-1]).all()):
+            index = slice(start, end)  # the usual case: one contiguous run
+        else:
+            index = positions.long()
+        self.rows[index] = rows
+        self.norms[index] = norms
+        self.seen[index] = True
 
 
 def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
@@ -245,7 +265,7 @@ def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) 
 class _Slot:
     hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
     norms: torch.Tensor  # pinned [max_tokens, L] float32
-    num_computed: torch.Tensor  # pinned [max_reqs] int32
+    positions: torch.Tensor  # pinned [max_tokens] int64
     copied: torch.cuda.Event | None  # None on CPU
     free: threading.Event
 
@@ -257,7 +277,6 @@ class HiddenStatesWriter:
         self,
         cfg: HiddenStatesConfig,
         max_tokens: int,
-        max_reqs: int,
         num_layers: int,
         hidden: int,
         dtype: torch.dtype,
@@ -272,7 +291,7 @@ class HiddenStatesWriter:
             _Slot(
                 torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=cuda),
                 torch.empty((max_tokens, num_layers), dtype=torch.float32, pin_memory=cuda),
-                torch.empty(max_reqs, dtype=torch.int32, pin_memory=cuda),
+                torch.empty(max_tokens, dtype=torch.int64, pin_memory=cuda),
                 torch.cuda.Event() if cuda else None,
                 threading.Event(),
             )
@@ -323,10 +342,10 @@ class HiddenStatesWriter:
         hidden_states: torch.Tensor,
         req_ids: list[str],
         query_start_loc_cpu: torch.Tensor,
-        num_computed_tokens: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
+        """One step's rows [tokens, L, H] in batch order, with each row's token position."""
         num_tokens = hidden_states.shape[0]
-        num_reqs = len(req_ids)
         slot = self.slots[self.next_slot]
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         if not slot.free.is_set():  # host back-pressure: the drain thread is behind
@@ -344,15 +363,14 @@ class HiddenStatesWriter:
         if self.stream is None:
             slot.hidden_states[:num_tokens].copy_(hidden_states)
             slot.norms[:num_tokens].copy_(row_norms(hidden_states))
-            slot.num_computed[:num_reqs].copy_(num_computed_tokens)
+            slot.positions[:num_tokens].copy_(positions)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
                 slot.norms[:num_tokens].copy_(row_norms(hidden_states), non_blocking=True)
-                slot.num_computed[:num_reqs].copy_(num_computed_tokens, non_blocking=True)
+                slot.positions[:num_tokens].copy_(positions, non_blocking=True)
                 slot.copied.record(self.stream)
-            num_computed_tokens.record_stream(self.stream)
             self.last_copy = slot.copied
         self.tasks.put(("rows", slot, req_ids, query_start_loc_cpu.tolist()))
 
@@ -391,16 +409,12 @@ class HiddenStatesWriter:
         if slot.copied is not None:
             slot.copied.synchronize()
         try:
-            num_computed = slot.num_computed[: len(req_ids)].tolist()
             for i, req_id in enumerate(req_ids):
                 buf = self.requests.get(req_id)
                 if buf is None:
                     continue  # aborted, or finished before this step's rows
-                buf.put(
-                    num_computed[i],
-                    slot.hidden_states[qsl[i] : qsl[i + 1]],
-                    slot.norms[qsl[i] : qsl[i + 1]],
-                )
+                s, e = qsl[i], qsl[i + 1]
+                buf.put(slot.positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
         finally:
             slot.free.set()
 
@@ -506,8 +520,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         sched = vllm_config.scheduler_config
         return HiddenStatesWriter(
             self.cfg,
-            max_tokens=sched.max_num_batched_tokens + sched.max_num_seqs,
-            max_reqs=sched.max_num_seqs,
+            max_tokens=sched.max_num_batched_tokens,
             num_layers=len(self.layer_ids),
             hidden=vllm_config.model_config.get_hidden_size(),
             dtype=vllm_config.model_config.dtype,
@@ -534,11 +547,11 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         hidden_states: torch.Tensor,
         req_ids: list[str],
         query_start_loc_cpu: torch.Tensor,
-        num_computed_tokens: torch.Tensor,
+        positions: torch.Tensor,
     ) -> None:
-        """Called by the patched proposer with one step's rows, in batch order."""
+        """Called by the patched runner after each forward pass with the step's rows."""
         if self._writer is not None:
-            self._writer.save(hidden_states, req_ids, query_start_loc_cpu, num_computed_tokens)
+            self._writer.save(hidden_states, req_ids, query_start_loc_cpu, positions)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass

@@ -16,8 +16,9 @@ from vllm_gdn_hs.version import installed_vllm
 PATCHES: dict[str, tuple[str, ...]] = {
     "0.20.1": (
         "patch_config_vllm",
+        "patch_config_kv_transfer",
         "patch_engine_arg_utils",
-        "patch_spec_decode_extract_hidden_states",
+        "patch_worker_gpu_model_runner",
     ),
 }
 

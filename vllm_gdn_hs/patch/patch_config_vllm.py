@@ -1,26 +1,41 @@
-"""Keep the hybrid KV cache manager (HMA) on for connectors that support it.
+"""Hidden states without speculative decoding, and HMA on, for the hidden-states connector.
 
-Why: vLLM 0.20.1 turns HMA off whenever ``--kv-transfer-config`` is set and
-the user expressed no preference (``VllmConfig.__post_init__``), even for a
-connector that subclasses ``SupportsHMA``. A GDN hybrid model (Qwen3.5/3.6)
-cannot start without HMA: "Hybrid KV cache manager is disabled but failed to
-convert the KV cache specs to one unified type".
+Why:
+- vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off whenever
+  ``--kv-transfer-config`` is set and the user expressed no preference, even for
+  a connector that subclasses ``SupportsHMA``. A GDN hybrid model (Qwen3.5/3.6)
+  cannot start without HMA ("Hybrid KV cache manager is disabled but failed to
+  convert the KV cache specs to one unified type").
+- speculators asks for hidden states through the ``extract_hidden_states``
+  speculative method. Running it as speculative decoding costs a draft model
+  layer in the KV cache (whose page cannot be unified with GDN pages on 0.20.1),
+  one extra GDN state block per request (19% of the KV cache capacity of
+  Qwen3.6-27B at 8k context) and a wasted draft token in every decode step.
+  ``HybridHiddenStatesConnector`` needs none of it: only the target model's aux
+  hidden states, which the runner patch hands to it after each forward pass.
 
-How: before the original ``__post_init__`` runs, if the user left
-``disable_hybrid_kv_cache_manager`` unset, the configured connector class
-subclasses ``SupportsHMA`` and the platform supports HMA, set it to False.
-Every other case goes through vLLM's own rules unchanged.
+How: before the original ``VllmConfig.__post_init__``, when the configured
+connector is ``HybridHiddenStatesConnector``: an ``extract_hidden_states``
+speculative config is replaced by its layer ids, kept in
+``kv_connector_extra_config["layer_ids"]``, and the speculative config is
+dropped. For any connector subclassing ``SupportsHMA``, when the user left
+``disable_hybrid_kv_cache_manager`` unset and the platform supports HMA, it is
+set to False. Every other case goes through vLLM's own rules unchanged.
 
-Upstream: later vLLM releases decide HMA per connector the same way
-(``supports_hma(connector_cls)``). Remove this patch when the supported vLLM
-releases all do. Source twin: ``patches/0.20.1/0001-*.patch``.
+Upstream: later vLLM decides HMA per connector (``supports_hma(connector_cls)``);
+a first-class "extract hidden states without speculation" mode does not exist
+upstream. Remove when both do. Source twin: ``patches/0.20.1/0001-*.patch``.
 """
 
 from __future__ import annotations
 
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 
+from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.patch import Patch
+
+logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
 
@@ -36,12 +51,40 @@ def _connector_supports_hma(vllm_config: VllmConfig) -> bool:
     return supports_hma(cls)
 
 
+def take_layer_ids_from_speculative_config(vllm_config: VllmConfig) -> None:
+    """extract_hidden_states speculative config -> kv_connector_extra_config["layer_ids"]."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "extract_hidden_states":
+        return  # no speculation, or another method: the connector says what is wrong
+    ids = list(
+        getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None) or []
+    )
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    if "layer_ids" in extra and list(extra["layer_ids"]) != ids:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: layer ids given twice and different: {ids} in "
+            f"--speculative-config, {list(extra['layer_ids'])} in kv_connector_extra_config; "
+            "give them once"
+        )
+    extra["layer_ids"] = ids
+    vllm_config.speculative_config = None
+    logger.info(
+        "%s: extracting layers %s from the target model, without speculative "
+        "decoding (no draft tokens, no drafter KV cache)",
+        CONNECTOR_NAME,
+        ids,
+    )
+
+
 def __post_init__(self: VllmConfig) -> None:
     from vllm.platforms import current_platform
 
+    kv = self.kv_transfer_config
+    if kv is not None and kv.kv_connector == CONNECTOR_NAME:
+        take_layer_ids_from_speculative_config(self)
     if (
-        self.kv_transfer_config is not None
-        and self.kv_transfer_config.kv_connector is not None
+        kv is not None
+        and kv.kv_connector is not None
         and self.scheduler_config.disable_hybrid_kv_cache_manager is None
         and current_platform.support_hybrid_kv_cache()
         and (self.model_config is None or self.model_config.attention_chunk_size is None)

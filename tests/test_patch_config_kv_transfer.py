@@ -1,0 +1,33 @@
+"""vllm_gdn_hs.patch.patch_config_kv_transfer: the compile cache key covers the layer ids; CPU.
+
+Run: python -m pytest tests/test_patch_config_kv_transfer.py -q   (no GPU, no network)
+vLLM keys its torch.compile cache on VllmConfig.compute_hash(); the aux hidden-state outputs
+change the graph, so extraction runs must not share a key with plain runs or with each other.
+"""
+
+from __future__ import annotations
+
+import harness
+from vllm.config import KVTransferConfig
+
+from vllm_gdn_hs.patch import patch_config_kv_transfer as patch_mod
+
+
+def test_patch_wraps_compute_hash():
+    assert KVTransferConfig.compute_hash is patch_mod.compute_hash
+
+
+def test_vllm_hash_differs_by_layer_ids_and_from_plain(hybrid_model):
+    def key(**kw):
+        return harness.engine_config(hybrid_model, **kw).compute_hash()
+
+    plain = key(connector=None, layer_ids=None)
+    a = key(connector=harness.OURS, layer_ids=(1, 4, 8))
+    b = key(connector=harness.OURS, layer_ids=(1, 4, 7))
+    assert len({plain, a, b}) == 3
+    assert a == key(connector=harness.OURS, layer_ids=(1, 4, 8))  # stable
+
+
+def test_other_connectors_hash_as_in_vllm():
+    cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    assert patch_mod.compute_hash(cfg) == patch_mod._orig_compute_hash(cfg)

@@ -1,0 +1,146 @@
+"""vllm_gdn_hs.patch.patch_worker_gpu_model_runner: the runner streams aux hidden states; CPU only.
+
+Run: python -m pytest tests/test_patch_worker_gpu_model_runner.py -q   (no GPU, no network)
+Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
+runner through the config; the patched GPUModelRunner._model_forward hands the real
+worker-side connector each step's rows (scheduled tokens only, configured layer order,
+M-RoPE positions) and the files hold exactly those rows; other connectors are untouched.
+Edges replaced: the GPU runner's construction (a CUDA device) and the model itself.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import harness
+import pytest
+import torch
+import vllm.distributed.kv_transfer as kv_transfer
+from safetensors.torch import load_file
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_gdn_hs.connector import (
+    FinishedRequest,
+    HybridHiddenStatesConnector,
+    HybridHiddenStatesConnectorMetadata,
+    NewRequest,
+)
+from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as patch_mod
+
+
+@pytest.mark.parametrize(
+    "ids, order",
+    [
+        ([16, 1, 64], [1, 0, 2]),
+        ([1, 16, 64], [0, 1, 2]),
+        ([64, 16, 1], [2, 1, 0]),
+        ([8, 2, 5, 4], [3, 0, 2, 1]),
+    ],
+)
+def test_layer_order(ids, order):
+    got = patch_mod.layer_order(ids)
+    assert got == order
+    assert [sorted(ids)[i] for i in got] == ids
+
+
+def test_patch_replaces_runner_methods():
+    for name, fn in patch_mod.PATCH.attrs.items():
+        assert getattr(GPUModelRunner, name) is fn
+
+
+def test_layer_ids_reach_the_runner_through_the_config(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
+    assert patch_mod.extraction_layer_ids(cfg) == [8, 1, 4]
+    assert cfg.speculative_config is None  # no drafter, no draft tokens
+    stock = harness.engine_config(hybrid_model, connector=harness.STOCK)
+    assert patch_mod.extraction_layer_ids(stock) is None
+    assert stock.speculative_config is not None
+
+
+def test_other_connectors_keep_vllms_aux_layers():
+    runner = object.__new__(GPUModelRunner)
+    runner.hidden_states_layer_ids = None
+    runner.speculative_config = None
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) is None
+    runner.hidden_states_layer_ids = [8, 1, 4]
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) == (8, 1, 4)
+
+
+class _Model:
+    """The GPU model at the edge: returns (hidden, aux in ascending layer order)."""
+
+    def __init__(self, rows_for):
+        self.rows_for = rows_for
+
+    def __call__(self, input_ids, positions, intermediate_tensors, inputs_embeds):
+        aux = self.rows_for(positions)
+        return aux[-1], aux
+
+
+def _runner(cfg, layer_ids, max_tokens=32):
+    runner = object.__new__(GPUModelRunner)
+    hidden = cfg.model_config.get_hidden_size()
+    runner.hidden_states_layer_ids = list(layer_ids)
+    runner.hidden_states_order = patch_mod.layer_order(layer_ids)
+    runner.hidden_states_buffer = torch.empty(
+        max_tokens, len(layer_ids), hidden, dtype=torch.bfloat16
+    )
+    runner.hidden_states_positions = torch.empty(max_tokens, dtype=torch.int64)
+    return runner
+
+
+def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
+    layer_ids = (8, 1, 4)  # configured order; the model hands aux states in ascending order
+    cfg = harness.engine_config(
+        hybrid_model, connector=harness.OURS, layer_ids=layer_ids, storage=str(tmp_path)
+    )
+    harness._init_dist(cfg)
+    hidden = cfg.model_config.get_hidden_size()
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9]}
+    path = {r: os.path.join(tmp_path, f"{r}.safetensors") for r in prompts}
+    g = torch.Generator().manual_seed(0)
+    # full[r][t, k] = the residual stream after layer sorted(layer_ids)[k] at token t of r.
+    full = {r: torch.randn(len(t), 3, hidden, generator=g).bfloat16() for r, t in prompts.items()}
+
+    with set_current_vllm_config(cfg):
+        conn = HybridHiddenStatesConnector(cfg, KVConnectorRole.WORKER)
+        runner = _runner(cfg, layer_ids)
+
+        def step(meta, sched, pad=3, mrope=False):  # sched: (req_id, start, count), batch order
+            conn.bind_connector_metadata(meta)
+            conn.start_load_kv(None)
+            pos = torch.cat([torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad)])
+            rows = torch.cat(
+                [full[r][s : s + n] for r, s, n in sched]
+                + [torch.full((pad, 3, hidden), float("nan")).bfloat16()]
+            )
+            runner.model = _Model(lambda positions: [rows[:, k] for k in range(3)])
+            qsl = torch.tensor([0, *torch.tensor([n for _, _, n in sched]).cumsum(0).tolist()])
+            runner.input_batch = SimpleNamespace(
+                req_ids=[r for r, _, _ in sched], num_reqs=len(sched)
+            )
+            runner.query_start_loc = SimpleNamespace(cpu=qsl)
+            positions = torch.stack([pos, pos, pos]).long() if mrope else pos.long()
+            out = GPUModelRunner._model_forward(runner, input_ids=None, positions=positions)
+            assert out[1][0].shape[0] == rows.shape[0]  # the runner gets the model's output
+            conn.clear_connector_metadata()
+
+        new = [NewRequest(r, path[r], len(t)) for r, t in prompts.items()]
+        fin = [FinishedRequest(r, t) for r, t in prompts.items()]
+        with mock.patch.object(kv_transfer, "get_kv_transfer_group", lambda: conn):
+            step(HybridHiddenStatesConnectorMetadata(new_requests=new), [("a", 0, 3), ("b", 0, 4)])
+            step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], mrope=True)
+            conn.bind_connector_metadata(HybridHiddenStatesConnectorMetadata(finished_requests=fin))
+            conn.start_load_kv(None)
+        conn.shutdown()
+
+    for r, tokens in prompts.items():
+        got = load_file(path[r])
+        # File layers in the configured order [8, 1, 4] = ascending indices [2, 0, 1];
+        # the NaN padding rows never reach a file.
+        assert torch.equal(got["hidden_states"], full[r][:, [2, 0, 1]])
+        assert got["token_ids"].tolist() == tokens
