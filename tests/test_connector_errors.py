@@ -1,8 +1,9 @@
 """Every startup error of HybridHiddenStatesConnector names the fix; CPU only.
 
 Run: python -m pytest tests/test_connector_errors.py -q (no GPU, no network).
-Covers, on real VllmConfigs of the tiny models built through EngineArgs: no speculative
-config, another speculative method, layer ids out of range / repeated / missing, pipeline
+Covers, on real VllmConfigs of the tiny models built through EngineArgs (the plugin runs the
+connector's checks as the config is built, and the connector again when it starts): no layer
+ids, another speculative method, layer ids out of range / repeated / missing, pipeline
 parallelism, prefix caching on, an unwritable storage path, and bad kv_connector_extra_config
 keys or values (pydantic, extra="forbid"). Both roles are checked where they differ.
 """
@@ -22,6 +23,14 @@ def make(cfg, role=KVConnectorRole.SCHEDULER):
     return HybridHiddenStatesConnector(cfg, role)
 
 
+def config_error(model, **kw) -> str:
+    """The error of building the config: the plugin runs the connector's checks right
+    after VllmConfig's own, before any model loads."""
+    with pytest.raises(ValueError) as e:
+        harness.engine_config(model, **kw)
+    return str(e.value)
+
+
 def test_valid_config_starts(hybrid_model, tmp_path):
     storage = tmp_path / "new" / "folder"
     cfg = harness.engine_config(hybrid_model, storage=str(storage), layer_ids=(8, 1, 4))
@@ -32,20 +41,16 @@ def test_valid_config_starts(hybrid_model, tmp_path):
 
 
 def test_no_layer_ids_anywhere(hybrid_model, tmp_path):
-    cfg = harness.engine_config(hybrid_model, layer_ids=None, storage=str(tmp_path))
-    assert cfg.speculative_config is None
-    with pytest.raises(ValueError) as e:
-        make(cfg)
-    msg = str(e.value)
+    msg = config_error(hybrid_model, layer_ids=None, storage=str(tmp_path))
     assert "needs the layer ids to extract" in msg
     assert "--speculative-config" in msg and '"method": "extract_hidden_states"' in msg
     assert "eagle_aux_hidden_state_layer_ids" in msg and "kv_connector_extra_config" in msg
 
 
 def test_layer_ids_in_extra_config_need_no_speculative_config(hybrid_model, tmp_path):
-    cfg = harness.engine_config(hybrid_model, layer_ids=None, storage=str(tmp_path))
-    cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] = [2, 8]
-    assert make(cfg).layer_ids == [2, 8]
+    args = harness.engine_args(hybrid_model, layer_ids=None, storage=str(tmp_path))
+    args.kv_transfer_config["kv_connector_extra_config"]["layer_ids"] = [2, 8]
+    assert make(args.create_engine_config()).layer_ids == [2, 8]
 
 
 def test_layer_ids_given_twice_and_different(hybrid_model, tmp_path):
@@ -56,19 +61,22 @@ def test_layer_ids_given_twice_and_different(hybrid_model, tmp_path):
 
 
 def test_other_speculative_method(hybrid_model, tmp_path):
-    cfg = harness.engine_config(
-        hybrid_model,
-        layer_ids=None,
-        storage=str(tmp_path),
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 2,
-            "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1,
-        },
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    msg = config_error(
+        hybrid_model, layer_ids=None, storage=str(tmp_path), speculative_config=ngram
     )
-    assert cfg.speculative_config.method == "ngram"
-    with pytest.raises(ValueError, match="method 'ngram' cannot run with it"):
+    assert "method 'ngram' cannot run with it" in msg
+
+
+def test_connector_rechecks_a_config_changed_after_build(hybrid_model, tmp_path):
+    cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] = [1, 99]
+    with pytest.raises(ValueError, match=r"layer ids \[99\] are out of range"):
         make(cfg)
 
 
@@ -84,18 +92,14 @@ def test_other_speculative_method(hybrid_model, tmp_path):
     ],
 )
 def test_bad_layer_ids(hybrid_model, tmp_path, ids, expected):
-    cfg = harness.engine_config(hybrid_model, layer_ids=ids, storage=str(tmp_path))
-    with pytest.raises(ValueError) as e:
-        make(cfg)
-    msg = str(e.value)
-    assert msg.startswith("HybridHiddenStatesConnector: layer ids: ")
+    msg = config_error(hybrid_model, layer_ids=ids, storage=str(tmp_path))
+    assert "HybridHiddenStatesConnector: layer ids: " in msg
     assert expected in msg
 
 
 def test_bad_layer_ids_dense(dense_model, tmp_path):
-    cfg = harness.engine_config(dense_model, layer_ids=(2, 4, 5, 9), storage=str(tmp_path))
-    with pytest.raises(ValueError, match=r"\[9\] are out of range: this model has 8 layers"):
-        make(cfg)
+    msg = config_error(dense_model, layer_ids=(2, 4, 5, 9), storage=str(tmp_path))
+    assert "[9] are out of range: this model has 8 layers" in msg
 
 
 def test_empty_layer_ids(hybrid_model, tmp_path):
@@ -118,11 +122,9 @@ def test_pipeline_parallel(hybrid_model, tmp_path):
 
 
 def test_prefix_caching(dense_model, tmp_path):
-    cfg = harness.engine_config(dense_model, storage=str(tmp_path), enable_prefix_caching=True)
-    with pytest.raises(ValueError) as e:
-        make(cfg)
-    assert "does not support prefix caching" in str(e.value)
-    assert "--no-enable-prefix-caching" in str(e.value)
+    msg = config_error(dense_model, storage=str(tmp_path), enable_prefix_caching=True)
+    assert "does not support prefix caching" in msg
+    assert "--no-enable-prefix-caching" in msg
 
 
 def test_unwritable_storage_path(hybrid_model, tmp_path):

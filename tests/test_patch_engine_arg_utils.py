@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import harness
 import pytest
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 from vllm_gdn_hs.patch import patch_engine_arg_utils
 
 
@@ -41,12 +39,12 @@ def test_explicit_false_kept(dense_model):
 
 
 def test_explicit_true_kept_then_refused_by_connector(dense_model, tmp_path):
-    cfg = harness.engine_config(
+    args = harness.engine_args(
         dense_model, connector=harness.OURS, storage=str(tmp_path), enable_prefix_caching=True
     )
-    assert cfg.cache_config.enable_prefix_caching is True
     with pytest.raises(ValueError, match="--no-enable-prefix-caching") as e:
-        HybridHiddenStatesConnector(cfg, KVConnectorRole.SCHEDULER)
+        args.create_engine_config()
+    assert args.enable_prefix_caching is True  # the user's choice was kept, then refused
     assert "does not support prefix caching" in str(e.value)
 
 

@@ -20,7 +20,9 @@ speculative config is replaced by its layer ids, kept in
 ``kv_connector_extra_config["layer_ids"]``, and the speculative config is
 dropped. For any connector subclassing ``SupportsHMA``, when the user left
 ``disable_hybrid_kv_cache_manager`` unset and the platform supports HMA, it is
-set to False. Every other case goes through vLLM's own rules unchanged.
+set to False. Every other case goes through vLLM's own rules unchanged. After
+the original, the connector's startup checks run (layer ids, prefix caching,
+pipeline parallelism), so a bad configuration fails before any model loads.
 
 Upstream: later vLLM decides HMA per connector (``supports_hma(connector_cls)``);
 a first-class "extract hidden states without speculation" mode does not exist
@@ -92,6 +94,10 @@ def __post_init__(self: VllmConfig) -> None:
     ):
         self.scheduler_config.disable_hybrid_kv_cache_manager = False
     _orig_post_init(self)
+    if kv is not None and kv.kv_connector == CONNECTOR_NAME and self.model_config is not None:
+        from vllm_gdn_hs.connector import validate_vllm_config
+
+        validate_vllm_config(self)  # fail now, not after the model is loaded
 
 
 PATCH = Patch(VllmConfig, {"__post_init__": __post_init__})
