@@ -169,3 +169,9 @@ def test_extra_config_defaults(hybrid_model):
     cfg = harness.engine_config(hybrid_model, connector=harness.OURS)
     cfg.kv_transfer_config.kv_connector_extra_config.clear()
     assert config_from(cfg) == HiddenStatesConfig(shared_storage_path="/tmp/hidden_states")
+
+
+def test_v2_model_runner(hybrid_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    msg = config_error(hybrid_model, storage=str(tmp_path))
+    assert "unset VLLM_USE_V2_MODEL_RUNNER" in msg

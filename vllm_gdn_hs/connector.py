@@ -114,6 +114,13 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         validate_layer_ids(layer_ids, n)
     except ValueError as e:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
+    import vllm.envs as envs
+
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(
+            f"{CONNECTOR_NAME} works with vLLM's default GPU model runner: unset "
+            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)"
+        )
     if vllm_config.cache_config.enable_prefix_caching:
         raise ValueError(
             f"{CONNECTOR_NAME} does not support prefix caching (cached prefixes have no hidden "
