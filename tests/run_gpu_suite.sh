@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one go, for a CUDA machine where vLLM is unpacked under
-# /tmp/site (see benchmarks/DEVICE.md for getting it there). Installs this checkout
+# /tmp/site (an offline GPU machine: unpack vLLM's wheels there). Installs this checkout
 # into /tmp/site (vLLM finds plugins only by entry point), then runs the GPU tests
 # and the demo, writing logs and JSON figures to ${OUT:-./gpu-out}.
 #   bash tests/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
