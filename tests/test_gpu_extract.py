@@ -86,7 +86,7 @@ def save_results():
 
 
 @contextmanager
-def engine(model: str, kind: str, storage: str, extract: bool = True, **kw):
+def engine(model: str, kind: str, storage: str, extract: bool | str = True, **kw):
     from vllm import LLM
 
     args = dict(
@@ -101,15 +101,21 @@ def engine(model: str, kind: str, storage: str, extract: bool = True, **kw):
     if kind == "hybrid":
         args["language_model_only"] = True
     if extract:
-        args["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS[kind]}},
-        }
+        extra = {"shared_storage_path": storage}
+        if extract == "layer_ids":  # the connector's own option, no speculative config
+            extra["layer_ids"] = LAYERS[kind]
+        else:  # as speculators asks for it
+            args["speculative_config"] = {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS[kind]}
+                },
+            }
         args["kv_transfer_config"] = {
             "kv_connector": "HybridHiddenStatesConnector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage},
+            "kv_connector_extra_config": extra,
         }
     args.update(kw)
     llm = LLM(**args)
@@ -243,7 +249,7 @@ def test_hybrid_cudagraph(models, reference, tmp_path):
 
 
 def test_dense(models, reference, tmp_path):
-    with engine(models["dense"], "dense", str(tmp_path)) as llm:
+    with engine(models["dense"], "dense", str(tmp_path), extract="layer_ids") as llm:
         _check("dense", _generate(llm, BASE), BASE, reference, "dense_eager")
         _check("dense", _generate(llm, MANY), MANY, reference, "dense_eager_80_requests")
 
