@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
 
 import harness  # noqa: E402  (before any other vLLM import: installs vLLM's CpuPlatform)
-from bench import DEFAULT_LAYERS, model_config, write_model_dir  # noqa: E402
+from bench import DEFAULT_LAYERS, merge_results, model_config, write_model_dir  # noqa: E402
 
 
 def capacity(model: str, variant: str, layers: list[int], max_model_len: int, memory: int):
@@ -89,9 +89,7 @@ def main() -> int:
             records.append(rec)
             print(json.dumps(rec))
     if args.results:
-        old = json.load(open(args.results)) if os.path.exists(args.results) else []
-        with open(args.results, "w") as f:
-            json.dump(old + records, f, indent=1)
+        merge_results(args.results, records)
     return 0
 
 

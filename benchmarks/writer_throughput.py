@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -28,6 +29,11 @@ from vllm_gdn_hs.connector import (
     NewRequest,
 )
 from vllm_gdn_hs.reader import wait_for_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import merge_results  # noqa: E402
+
+_row_norms = connector.row_norms  # the real one; run() stands a precomputed copy in for it
 
 
 @torch.inference_mode()
@@ -49,7 +55,6 @@ def run(
     writer = HiddenStatesWriter(
         cfg,
         max_tokens=step_tokens,
-        max_reqs=requests,
         num_layers=layers,
         hidden=hidden,
         dtype=torch.bfloat16,
@@ -60,7 +65,7 @@ def run(
         for i in range(requests)
     ]
     rows = torch.randn(step_tokens, layers, hidden).to(torch.bfloat16)
-    norms = connector.row_norms(rows)  # on the GPU in production
+    norms = _row_norms(rows)  # on the GPU in production
     connector.row_norms = lambda h: norms[: h.shape[0]]
     start = time.perf_counter()
     writer.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=reqs))
@@ -72,7 +77,7 @@ def run(
             rows[: len(batch) * tokens],
             [r.req_id for r in batch],
             qsl,
-            torch.zeros(len(batch), dtype=torch.int32),
+            torch.arange(tokens).repeat(len(batch)),  # each request's positions 0..tokens-1
         )
         writer.on_metadata(
             HybridHiddenStatesConnectorMetadata(
@@ -128,9 +133,7 @@ def main() -> int:
             records.append(rec)
     shutil.rmtree(args.out_dir, ignore_errors=True)
     if args.results:
-        old = json.load(open(args.results)) if os.path.exists(args.results) else []
-        with open(args.results, "w") as f:
-            json.dump(old + records, f, indent=1)
+        merge_results(args.results, records)
     return 0
 
 
