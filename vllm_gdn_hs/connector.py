@@ -91,9 +91,7 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
             '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
-    layer_ids = list(
-        (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("layer_ids") or []
-    )
+    layer_ids = list(config_from(vllm_config).layer_ids)
     if not layer_ids:
         raise ValueError(
             f"{CONNECTOR_NAME} needs the layer ids to extract: pass --speculative-config "
@@ -183,19 +181,18 @@ class _RequestBuffer:
         self.seen = torch.zeros(req.num_prompt_tokens, dtype=torch.bool)
         self.lock_fd = _take_lock(req.path + ".lock")
 
-    def put(
-        self, positions: torch.Tensor, rows: torch.Tensor, norms: torch.Tensor | None = None
-    ) -> None:
-        """Rows at these token positions; a position written again keeps the later row."""
+    def put(self, positions: torch.Tensor, rows: torch.Tensor, norms: torch.Tensor) -> None:
+        """Rows (and their norms) at these token positions; a position written again keeps
+        the later row."""
         if positions.numel() == 0:
             return
         start, end = int(positions[0]), int(positions[-1]) + 1
-        if int(positions.max()) + 1 > self.rows.shape[0]:  # generated tokens
-            cap = max(int(positions.max()) + 1, 2 * self.rows.shape[0])
+        needed = int(positions.max()) + 1
+        if needed > self.rows.shape[0]:  # generated tokens
+            cap = max(needed, 2 * self.rows.shape[0])
             self.rows, self.norms, self.seen = (
                 _grow(t, cap) for t in (self.rows, self.norms, self.seen)
             )
-        norms = row_norms(rows) if norms is None else norms
         if end - start == rows.shape[0] and bool((positions[1:] > positions[:-1]).all()):
             index = slice(start, end)  # the usual case: one contiguous run
         else:

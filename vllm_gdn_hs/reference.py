@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_gdn_hs.connector import check_rows
+
 
 def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
@@ -73,8 +75,6 @@ def file_problems(data: dict, prompt: list[int], num_layers: int, hidden: int) -
         problems.append("token_ids differ from the prompt")
     if tuple(hs.shape) != (len(prompt), num_layers, hidden):
         problems.append(f"shape {tuple(hs.shape)} != {(len(prompt), num_layers, hidden)}")
-    if not torch.isfinite(hs.float()).all():
-        problems.append("NaN/Inf values")
-    if (hs.flatten(1) == 0).all(1).any():
-        problems.append("all-zero rows")
+    if why := check_rows(hs):  # the same check the connector makes before writing
+        problems.append(why)
     return problems
