@@ -164,7 +164,7 @@ _SERIES = os.path.join(REPO, "patches", "0.20.1")
 
 @pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
 def test_every_runtime_patch_has_a_source_twin(name):
-    # patch_spec_decode_extract_hidden_states -> a file naming spec, decode, extract, ...
+    # patch_worker_gpu_model_runner -> a file naming worker, gpu, model and runner
     words = name.removeprefix("patch_").split("_")
     files = [f for f in os.listdir(_SERIES) if f.endswith(".patch")]
     twins = [f for f in files if all(w in f.lower() for w in words)]
