@@ -9,13 +9,17 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . \
-    2>&1 | grep -v WARNING
-if ls .whl/speculators-*.whl >/dev/null 2>&1; then
-    python3 -m zipfile -e .whl/speculators-*.whl /tmp/speculators-site
-    export SPECULATORS_SITE=/tmp/speculators-site
+# INSTALL=0 skips the install, for several suites run at once on one machine (one per GPU
+# via CUDA_VISIBLE_DEVICES, each with its own OUT) after one install.
+if [ "${INSTALL:-1}" = 1 ]; then
+    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . \
+        2>&1 | grep -v WARNING
+    if ls .whl/speculators-*.whl >/dev/null 2>&1; then
+        python3 -m zipfile -e .whl/speculators-*.whl /tmp/speculators-site
+    fi
 fi
-{ git rev-parse HEAD 2>/dev/null; date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+[ -d /tmp/speculators-site ] && export SPECULATORS_SITE=/tmp/speculators-site
+{ git rev-parse HEAD 2>/dev/null; date -u; echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 TESTS=("$@")
