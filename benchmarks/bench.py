@@ -399,6 +399,7 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     from vllm import LLM, SamplingParams
 
     kwargs = engine_kwargs(spec)
+    recorded_kwargs = json.loads(json.dumps(kwargs))  # vLLM fills config objects into nested dicts
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = dict(startup_s=round(time.perf_counter() - t0, 1), startup_peak_gpu_mib=poller.take())
@@ -418,7 +419,7 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     out_dir = spec["out_dir"]
     for name in spec["workloads"]:
         w = make_workload(name, spec["seed"])
-        rec = dict(w.stats(), **startup, engine_kwargs=kwargs)
+        rec = dict(w.stats(), **startup, engine_kwargs=recorded_kwargs)
         try:
             reset_dir(out_dir)
             if connector:
@@ -594,7 +595,7 @@ def worker_main(spec_path: str) -> int:
         records.append(rec)
         tmp = spec["result_file"] + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(records, f, indent=1)
+            json.dump(records, f, indent=1, default=repr)  # a stray object never loses a record
         os.replace(tmp, spec["result_file"])  # the parent keeps what was done before a timeout
         msg = rec.get("error", "").strip().splitlines()[-1:] or [
             f"{rec['prompt_tokens'] / rec['gen_s']:,.0f} prompt tok/s, drain {rec['drain_s']} s"

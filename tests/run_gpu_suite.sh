@@ -25,12 +25,13 @@ fi
 TESTS=("$@")
 [ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/test_gpu_extract.py tests/test_gpu_launch.py tests/test_gpu_tp.py)
 VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json" \
-    timeout "${SUITE_TIMEOUT:-480}" python3 -m pytest --noconftest -m gpu -v -s -p no:cacheprovider \
+    PYTHONPATH=/tmp/site:tests timeout "${SUITE_TIMEOUT:-480}" python3 -m pytest --noconftest -m gpu -v -s \
+    -p no:cacheprovider -p gpu_report \
     "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
 echo "pytest exit $?" >> "$OUT/env.txt"
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|max rel err|max relative|preemptions|aborts|chunked vs|KV cache tokens|^E " "$OUT/gpu.log" | grep -v "^(EngineCore" | head -80
 if [ "${RUN_DEMO:-1}" = 1 ]; then
-    timeout "${DEMO_TIMEOUT:-120}" python3 -m vllm_gdn_hs.cli demo --workdir /tmp/vllm-gdn-hs-demo > "$OUT/demo.log" 2>&1
+    timeout "${DEMO_TIMEOUT:-300}" python3 -m vllm_gdn_hs.cli demo --workdir /tmp/vllm-gdn-hs-demo > "$OUT/demo.log" 2>&1
     echo "demo exit $?" >> "$OUT/env.txt"
     grep -v "^INFO\|^(EngineCore\|^WARNING\|^\[" "$OUT/demo.log" | tail -12
 fi

@@ -12,6 +12,7 @@ cache capacity against the same engine without extraction.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -165,6 +166,28 @@ def _check(kind, outputs, prompts, reference, name, include_outputs=False):
     return files
 
 
+def _abort_files(folder) -> list[str]:
+    return sorted(f for f in os.listdir(folder) if f.startswith("abort-"))
+
+
+def _lock_held(path: str) -> bool:
+    """True while a writer holds the flock of ``path`` (a .lock file)."""
+    if not path.endswith(".lock"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def test_hybrid_eager_chunked(models, reference, tmp_path):
     with engine(models["hybrid"], "hybrid", str(tmp_path), max_num_batched_tokens=256) as llm:
         sched = llm.llm_engine.vllm_config.scheduler_config
@@ -196,14 +219,18 @@ def test_hybrid_eager_chunked(models, reference, tmp_path):
         while engine_.has_unfinished_requests() and time.monotonic() < deadline:
             engine_.step()
         _generate(llm, BASE[:2])  # the engine steps on past the aborts
+        # A finished file keeps its released .lock until a reader takes it (speculators'
+        # protocol); an aborted request must leave neither lock nor temp file.
         deadline = time.monotonic() + 10
-        while any(f.endswith(".lock") and f.startswith("abort-") for f in os.listdir(tmp_path)):
-            if time.monotonic() > deadline:
-                break
+        while any(_lock_held(os.path.join(tmp_path, f)) for f in _abort_files(tmp_path)):
+            assert time.monotonic() < deadline, f"locks still held: {_abort_files(tmp_path)}"
             time.sleep(0.05)
-        left = sorted(f for f in os.listdir(tmp_path) if f.startswith("abort-"))
-        assert not [f for f in left if not f.endswith(".safetensors")], f"left behind: {left}"
-        finished = [(i, p) for i, p in zip(ids, long, strict=True) if f"{i}.safetensors" in left]
+        left = _abort_files(tmp_path)
+        done = {f for f in left if f.endswith(".safetensors")}
+        strays = [f for f in left if f not in done and f.removesuffix(".lock") not in done]
+        assert not strays, f"left behind by aborted requests: {strays}"
+        finished = [(i, p) for i, p in zip(ids, long, strict=True) if f"{i}.safetensors" in done]
+        assert len(finished) == len(done), (ids, sorted(done))
         for req_id, prompt in finished:
             data = load_hidden_states(os.path.join(tmp_path, f"{req_id}.safetensors"))
             assert not file_problems(
