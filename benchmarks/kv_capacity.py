@@ -3,9 +3,10 @@
 No GPU needed: builds the real per-layer KV cache specs of the model (meta device, through
 tests/harness.py) and runs vLLM 0.20.1's get_kv_cache_configs and
 get_max_concurrency_for_kv_cache_config, the numbers behind its "GPU KV cache size: N tokens"
-line, for the same KV memory budget. Variants: plain (no extraction), ours
-(HybridHiddenStatesConnector), stock (ExampleHiddenStatesConnector with HMA forced on; on
-0.20.1 it fails to start, and the error is recorded).
+line. Variants: plain (no extraction); ours (HybridHiddenStatesConnector: the same budget less
+the runner's one-step hidden-state buffers, which it counts into vLLM's memory budget); stock
+(ExampleHiddenStatesConnector with HMA forced on; on 0.20.1 it fails to start, and the error is
+recorded).
 
     python benchmarks/kv_capacity.py --shape 27b --max-model-len 8448,32768,262144 \
         --results benchmarks/results/kv_capacity.json
@@ -28,12 +29,18 @@ import harness  # noqa: E402  (before any other vLLM import: installs vLLM's Cpu
 from bench import DEFAULT_LAYERS, merge_results, model_config, write_model_dir  # noqa: E402
 
 
-def capacity(model: str, variant: str, layers: list[int], max_model_len: int, memory: int):
+def capacity(
+    model: str, variant: str, layers: list[int], max_model_len: int, memory: int, step_tokens: int
+):
     import vllm.plugins
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
+    from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import buffer_bytes
+
     vllm.plugins.load_general_plugins()
-    kw = dict(enable_prefix_caching=False, max_model_len=max_model_len)
+    kw = dict(
+        enable_prefix_caching=False, max_model_len=max_model_len, max_num_batched_tokens=step_tokens
+    )
     if variant == "plain":
         kw.update(connector=None, layer_ids=None)
     elif variant == "ours":
@@ -42,7 +49,8 @@ def capacity(model: str, variant: str, layers: list[int], max_model_len: int, me
         kw.update(connector=harness.STOCK, layer_ids=layers, disable_hybrid_kv_cache_manager=False)
     try:
         cfg = harness.engine_config(model, **kw)
-        kcc = harness.kv_cache_config(cfg, memory=memory)
+        held = buffer_bytes(cfg) if variant == "ours" else 0
+        kcc = harness.kv_cache_config(cfg, memory=memory - held)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     conc = get_max_concurrency_for_kv_cache_config(cfg, kcc)
@@ -50,6 +58,7 @@ def capacity(model: str, variant: str, layers: list[int], max_model_len: int, me
         "tokens": int(conc * max_model_len),
         "max_concurrency": round(conc, 2),
         "num_blocks": kcc.num_blocks,
+        "hidden_states_buffer_bytes": held,
         "block_size": cfg.cache_config.block_size,
         "groups": [type(g.kv_cache_spec).__name__ for g in kcc.kv_cache_groups],
     }
@@ -62,8 +71,14 @@ def main() -> int:
     p.add_argument(
         "--kv-memory-gib",
         type=float,
-        default=100.0,
-        help="KV cache memory budget (an H200 at 0.9 leaves ~70 GiB for 27B)",
+        default=71.72,
+        help="KV cache memory of plain vLLM (27B on an H200 at 0.9: 71.72 GiB, measured)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=16384,
+        help="tokens per step, which sizes the hidden-state buffers (LLM(...) on an H200: 16384)",
     )
     p.add_argument("--variants", default="plain,ours,stock")
     p.add_argument("--results", help="append the records to this JSON file")
@@ -80,10 +95,18 @@ def main() -> int:
                 "layers": layers,
                 "max_model_len": mml,
                 "kv_memory_gib": args.kv_memory_gib,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
                 "vllm": __import__("vllm").__version__,
             }
             for v in args.variants.split(","):
-                rec[v] = capacity(model, v, layers, mml, int(args.kv_memory_gib * 2**30))
+                rec[v] = capacity(
+                    model,
+                    v,
+                    layers,
+                    mml,
+                    int(args.kv_memory_gib * 2**30),
+                    args.max_num_batched_tokens,
+                )
             if "tokens" in rec.get("plain", {}) and "tokens" in rec.get("ours", {}):
                 rec["ours_over_plain"] = round(rec["ours"]["tokens"] / rec["plain"]["tokens"], 4)
             records.append(rec)

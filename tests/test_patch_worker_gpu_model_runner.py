@@ -2,10 +2,12 @@
 
 Run: python -m pytest tests/test_patch_worker_gpu_model_runner.py -q   (no GPU, no network)
 Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
-runner through the config; the patched GPUModelRunner._model_forward hands the real
-worker-side connector each step's rows (scheduled tokens only, configured layer order,
-M-RoPE positions) and the files hold exactly those rows; other connectors are untouched.
-Edges replaced: the GPU runner's construction (a CUDA device) and the model itself.
+runner through the config; load_model counts the one-step buffers into vLLM's memory budget;
+the patched GPUModelRunner._model_forward hands the real worker-side connector each step's
+rows (scheduled tokens only, configured layer order, M-RoPE positions) and the files hold
+exactly those rows; other connectors are untouched.
+Edges replaced: the GPU runner's construction (a CUDA device), loading weights onto the GPU,
+and the model itself.
 """
 
 from __future__ import annotations
@@ -68,6 +70,27 @@ def test_other_connectors_keep_vllms_aux_layers():
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) is None
     runner.hidden_states_layer_ids = [8, 1, 4]
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) == (8, 1, 4)
+
+
+def test_load_model_counts_the_buffers_in_vllms_memory_budget(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
+    tokens = cfg.scheduler_config.max_num_batched_tokens
+    hidden = cfg.model_config.get_hidden_size()
+    assert patch_mod.buffer_shapes(cfg) == ((tokens, 3, hidden), tokens)
+    assert patch_mod.buffer_bytes(cfg) == tokens * 3 * hidden * 2 + tokens * 8  # bf16, int64
+
+    def load_weights(self, *args, **kwargs):  # the edge: vLLM's loader on a GPU
+        self.model_memory_usage = 10**9
+
+    runner = object.__new__(GPUModelRunner)
+    runner.vllm_config = cfg
+    with mock.patch.object(patch_mod, "_orig_load_model", load_weights):
+        runner.hidden_states_layer_ids = [8, 1, 4]
+        GPUModelRunner.load_model(runner)
+        assert runner.model_memory_usage == 10**9 + patch_mod.buffer_bytes(cfg)
+        runner.hidden_states_layer_ids = None  # another connector, or none
+        GPUModelRunner.load_model(runner)
+        assert runner.model_memory_usage == 10**9
 
 
 class _Model:

@@ -7,9 +7,13 @@ extra GDN state), so the runner must itself ask the model for the aux hidden
 states of the chosen layers and give them to the connector.
 
 How, only when the connector is configured:
-- ``__init__``: ``use_aux_hidden_state_outputs`` on, and a one-step GPU buffer
-  (``max_num_batched_tokens`` x layers x hidden) allocated before vLLM profiles
-  memory, so the KV cache is sized with it;
+- ``__init__``: ``use_aux_hidden_state_outputs`` on, and one-step GPU buffers
+  (``max_num_batched_tokens`` x layers x hidden for the rows, plus positions);
+- ``load_model``: those buffers are added to ``model_memory_usage``. vLLM sizes
+  the KV cache from that figure plus the peak measured while profiling, which
+  leaves out tensors allocated before profiling; without this the buffers
+  (0.94 GiB for Qwen3.6-27B, 6 layers, 16,384 tokens a step) would sit outside
+  ``gpu_memory_utilization``;
 - ``_get_eagle3_aux_layers_from_config``: the connector's layer ids, which
   ``load_model`` gives to the model;
 - ``_model_forward`` (called only for real steps, never for dummy runs): after
@@ -25,6 +29,8 @@ without speculative decoding. Source twin: ``patches/0.20.1/0004-*.patch``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -34,6 +40,7 @@ from vllm_gdn_hs.patch import Patch
 _orig_init = GPUModelRunner.__init__
 _orig_aux_layers = GPUModelRunner._get_eagle3_aux_layers_from_config
 _orig_model_forward = GPUModelRunner._model_forward
+_orig_load_model = GPUModelRunner.load_model
 
 
 def extraction_layer_ids(vllm_config) -> list[int] | None:
@@ -51,6 +58,19 @@ def layer_order(layer_ids) -> list[int]:
     return [ascending.index(i) for i in layer_ids]
 
 
+def buffer_shapes(vllm_config) -> tuple[tuple[int, int, int], int]:
+    """(rows, positions) shapes of the one-step GPU buffers: every token of one step."""
+    tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    layers = len(extraction_layer_ids(vllm_config))
+    return (tokens, layers, vllm_config.model_config.get_hidden_size()), tokens
+
+
+def buffer_bytes(vllm_config) -> int:
+    """GPU memory the runner holds for hidden states, counted into vLLM's memory budget."""
+    rows, positions = buffer_shapes(vllm_config)
+    return math.prod(rows) * vllm_config.model_config.dtype.itemsize + positions * 8
+
+
 def __init__(self, vllm_config, device) -> None:
     _orig_init(self, vllm_config, device)
     ids = extraction_layer_ids(vllm_config)
@@ -58,14 +78,17 @@ def __init__(self, vllm_config, device) -> None:
     if ids:
         self.use_aux_hidden_state_outputs = True
         self.hidden_states_order = layer_order(ids)
+        rows, positions = buffer_shapes(vllm_config)
         self.hidden_states_buffer = torch.empty(
-            (self.max_num_tokens, len(ids), self.model_config.get_hidden_size()),
-            dtype=self.model_config.dtype,
-            device=self.device,
+            rows, dtype=self.model_config.dtype, device=self.device
         )
-        self.hidden_states_positions = torch.empty(
-            self.max_num_tokens, dtype=torch.int64, device=self.device
-        )
+        self.hidden_states_positions = torch.empty(positions, dtype=torch.int64, device=self.device)
+
+
+def load_model(self, *args, **kwargs) -> None:
+    _orig_load_model(self, *args, **kwargs)
+    if getattr(self, "hidden_states_layer_ids", None):
+        self.model_memory_usage += buffer_bytes(self.vllm_config)
 
 
 def _get_eagle3_aux_layers_from_config(self):
@@ -128,6 +151,7 @@ PATCH = Patch(
     GPUModelRunner,
     {
         "__init__": __init__,
+        "load_model": load_model,
         "_get_eagle3_aux_layers_from_config": _get_eagle3_aux_layers_from_config,
         "_model_forward": _model_forward,
     },
