@@ -33,9 +33,6 @@ def capacity(
     model: str, variant: str, layers: list[int], max_model_len: int, memory: int, step_tokens: int
 ):
     import vllm.plugins
-    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
-
-    from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import buffer_bytes
 
     vllm.plugins.load_general_plugins()
     kw = dict(
@@ -49,14 +46,12 @@ def capacity(
         kw.update(connector=harness.STOCK, layer_ids=layers, disable_hybrid_kv_cache_manager=False)
     try:
         cfg = harness.engine_config(model, **kw)
-        held = buffer_bytes(cfg) if variant == "ours" else 0
-        kcc = harness.kv_cache_config(cfg, memory=memory - held)
+        tokens, kcc, held = harness.kv_capacity(cfg, memory)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
-    conc = get_max_concurrency_for_kv_cache_config(cfg, kcc)
     return {
-        "tokens": int(conc * max_model_len),
-        "max_concurrency": round(conc, 2),
+        "tokens": tokens,
+        "max_concurrency": round(tokens / max_model_len, 2),
         "num_blocks": kcc.num_blocks,
         "hidden_states_buffer_bytes": held,
         "block_size": cfg.cache_config.block_size,

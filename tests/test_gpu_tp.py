@@ -26,12 +26,13 @@ from test_gpu_extract import (  # noqa: F401
     RESULTS,
     _generate,
     engine,
+    models,
+    reference,
     save_results,
 )
 
 from vllm_gdn_hs.reader import load_hidden_states
-from vllm_gdn_hs.reference import hf_hidden_states, load_hf_model, relative_errors
-from vllm_gdn_hs.testing import build_tiny_hybrid
+from vllm_gdn_hs.reference import relative_errors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,21 +46,18 @@ def _files(outputs):
     ]
 
 
-def test_tp2_matches_tp1(tmp_path):
-    model = build_tiny_hybrid(str(tmp_path / "model"))
+def test_tp2_matches_tp1(models, reference, tmp_path):  # noqa: F811 (fixtures)
     prompts = BASE + MANY[:16]
     files = {}
     for tp in (1, 2):
         storage = tmp_path / f"tp{tp}"
-        with engine(model, "hybrid", str(storage), tensor_parallel_size=tp) as llm:
+        with engine(models["hybrid"], "hybrid", str(storage), tensor_parallel_size=tp) as llm:
             files[tp] = _files(_generate(llm, prompts))
         # Only rank 0 writes: exactly one file (and no stray temp file) per request.
         names = sorted(os.listdir(storage))
         assert len([n for n in names if n.endswith(".safetensors")]) == len(prompts), names
         assert not [n for n in names if ".tmp-" in n], names
-    hf = load_hf_model(model)
-    refs = [hf_hidden_states(hf, [p], LAYERS["hybrid"])[0] for p in prompts]
-    del hf
+    refs = [reference("hybrid", p) for p in prompts]
     for a, b in zip(files[1], files[2], strict=True):
         assert torch.equal(a["token_ids"], b["token_ids"])
 

@@ -15,7 +15,6 @@ import os
 
 import harness
 import pytest
-from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
 from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import buffer_bytes
 
@@ -43,10 +42,9 @@ def _tokens(model: str, max_model_len: int, extract: bool) -> int:
         kw.update(connector=harness.OURS, layer_ids=LAYERS)
     else:
         kw.update(connector=None, layer_ids=None)
-    cfg = harness.engine_config(model, **kw)
-    memory = KV_MEMORY - (buffer_bytes(cfg) if extract else 0)
-    kcc = harness.kv_cache_config(cfg, memory=memory)
-    return int(get_max_concurrency_for_kv_cache_config(cfg, kcc) * max_model_len)
+    tokens, _, held = harness.kv_capacity(harness.engine_config(model, **kw), KV_MEMORY)
+    assert (held > 0) == extract
+    return tokens
 
 
 @pytest.mark.parametrize("max_model_len", [8448, 32768, 262144])
