@@ -118,7 +118,7 @@ def test_request_lifecycle(model, request, tmp_path):
 
     so, finished = step(sched)
     assert meta_of(so).new_requests == [
-        NewRequest(rid, os.path.join(tmp_path, f"{rid}.safetensors"), len(p))
+        NewRequest(rid, os.path.join(tmp_path, f"{rid}.safetensors"), len(p), len(p))
         for rid, p in prompts.items()
     ]
     assert meta_of(so).finished_requests == []
@@ -189,7 +189,16 @@ def test_new_request_lists_prompt_length(sched, tmp_path):
     sched.add_request(make_request("a", prompt(42)))
     so = sched.schedule()
     (new,) = meta_of(so).new_requests
-    assert new == NewRequest("a", os.path.join(tmp_path, "a.safetensors"), 42)
+    assert new == NewRequest("a", os.path.join(tmp_path, "a.safetensors"), 42, 42)
+
+
+def test_new_request_reserves_rows_for_output_tokens(sched, tmp_path):
+    """With include_output_tokens the worker reserves the outputs' rows up front, so
+    decode never regrows a buffer (a copy of every row so far, per request)."""
+    sched.add_request(make_request("a", prompt(42), 9, {"include_output_tokens": True}))
+    sched.add_request(make_request("b", prompt(5), 9))
+    so = sched.schedule()
+    assert [(n.req_id, n.num_rows) for n in meta_of(so).new_requests] == [("a", 51), ("b", 5)]
 
 
 def test_abort_after_scheduling(sched):

@@ -50,7 +50,7 @@ def storage(tmp_path):
 def make_writer(storage, **cfg) -> HiddenStatesWriter:
     return HiddenStatesWriter(
         HiddenStatesConfig(shared_storage_path=str(storage), **cfg),
-        max_tokens=64,
+        max_tokens=128,
         num_layers=L,
         hidden=H,
         dtype=torch.bfloat16,
@@ -173,6 +173,43 @@ def test_output_tokens_grow_the_buffer(writer, storage):
     got = load_file(path_of(storage, "g"))
     assert torch.equal(got["hidden_states"], torch.cat([prompt, d1, d2]))
     assert got["token_ids"].tolist() == [7, 8, 9, 100, 101]
+
+
+def test_reserved_output_rows_and_a_long_run(writer, storage):
+    # A buffer reserved for prompt + outputs (include_output_tokens), a prefill run long
+    # enough to take the numpy copy, then decode rows one at a time.
+    prompt, outs = rows(100), [rows(1) for _ in range(5)]
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            new_requests=[NewRequest("g", path_of(storage, "g"), 100, 106)]
+        )
+    )
+    save(writer, ("g", 0, prompt[:70]))
+    save(writer, ("g", 70, prompt[70:]))
+    for i, o in enumerate(outs):
+        save(writer, ("g", 100 + i, o))
+    finish(writer, g=list(range(105)))
+    writer.close()
+    assert torch.equal(
+        load_file(path_of(storage, "g"))["hidden_states"], torch.cat([prompt, *outs])
+    )
+
+
+def test_positions_out_of_order_and_rewritten(writer, storage):
+    # Rows arrive by position, not batch order; a position written again keeps the later
+    # row (a preempted request recomputes its prompt).
+    data, again = rows(6), rows(2)
+    new(writer, storage, p=6)
+    qsl = torch.tensor([0, 4], dtype=torch.int32)
+    writer.save(data[[3, 0, 2, 1]], ["p"], qsl, torch.tensor([3, 0, 2, 1]))
+    writer.save(again, ["p"], torch.tensor([0, 2], dtype=torch.int32), torch.tensor([1, 3]))
+    save(writer, ("p", 4, data[4:]))
+    finish(writer, p=list(range(6)))
+    writer.close()
+    want = data.clone()
+    want[[1, 3]] = again
+    got = load_file(path_of(storage, "p"))["hidden_states"]
+    assert torch.equal(got, want)
 
 
 def test_reader_gets_the_lock_only_once_the_file_is_complete(writer, storage):

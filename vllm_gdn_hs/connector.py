@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -152,6 +153,9 @@ class NewRequest:
     req_id: str
     path: str
     num_prompt_tokens: int
+    # Rows to reserve: the prompt, plus the outputs with include_output_tokens (the host
+    # buffer is reserved, not touched, so an unused reservation costs no memory).
+    num_rows: int = 0
 
 
 @dataclass
@@ -171,39 +175,93 @@ class HybridHiddenStatesConnectorMetadata(KVConnectorMetadata):
 # ---------------------------------------------------------------------------
 
 
+# Runs of up to this many rows (decode steps) are gathered per step and filed in batches
+# of _PENDING_ROWS per request; longer runs (prefill chunks) are copied at once.
+_SHORT_RUN, _PENDING_ROWS = 4, 32
+
+
 class _RequestBuffer:
-    """Host rows of one request, indexed by token position."""
+    """Host rows of one request, indexed by token position.
+
+    The drain thread shares the GIL with the engine thread, which in eager mode spends a
+    decode step issuing kernels. So the per-row work of decode stays out of Python: a
+    step's short runs are gathered into one block by one numpy call (which lets go of
+    the GIL while it copies), each request keeps (block, row) references, and files them
+    _PENDING_ROWS at a time, picking them out as numpy views (bf16 as int16, the same
+    bytes), which costs a tenth of a torch call. A block lives until every request holding
+    rows of it has filed them. Long runs (prefill) are copied by torch, in parallel.
+    """
 
     def __init__(self, req: NewRequest, num_layers: int, hidden: int, dtype: torch.dtype):
         self.req = req
-        self.rows = torch.empty((req.num_prompt_tokens, num_layers, hidden), dtype=dtype)
-        self.norms = torch.empty((req.num_prompt_tokens, num_layers), dtype=torch.float32)
-        self.seen = torch.zeros(req.num_prompt_tokens, dtype=torch.bool)
+        self.rows = torch.empty((0, num_layers, hidden), dtype=dtype)
+        self.norms = torch.empty((0, num_layers), dtype=torch.float32)
+        self.seen = bytearray()  # 1 where a position's row has arrived
+        self.pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # block, norms, i, pos
+        self._resize(max(req.num_prompt_tokens, req.num_rows))
         self.lock_fd = _take_lock(req.path + ".lock")
 
-    def put(self, positions: torch.Tensor, rows: torch.Tensor, norms: torch.Tensor) -> None:
-        """Rows (and their norms) at these token positions; a position written again keeps
-        the later row."""
-        if positions.numel() == 0:
+    def _resize(self, cap: int) -> None:
+        self.rows, self.norms = (_grow(t, cap) for t in (self.rows, self.norms))
+        self.seen.extend(bytes(cap - len(self.seen)))
+
+    def defer(self, rows: np.ndarray, norms: np.ndarray, i: int, position: int) -> None:
+        """Row i of a step's block of short-run rows, for this position."""
+        self.pending.append((rows, norms, i, position))
+        if len(self.pending) >= _PENDING_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
             return
-        start, end = int(positions[0]), int(positions[-1]) + 1
-        needed = int(positions.max()) + 1
-        if needed > self.rows.shape[0]:  # generated tokens
-            cap = max(needed, 2 * self.rows.shape[0])
-            self.rows, self.norms, self.seen = (
-                _grow(t, cap) for t in (self.rows, self.norms, self.seen)
-            )
-        if end - start == rows.shape[0] and bool((positions[1:] > positions[:-1]).all()):
-            index = slice(start, end)  # the usual case: one contiguous run
+        pending, self.pending = self.pending, []
+        self.put(
+            [q for *_, q in pending],
+            torch.from_numpy(np.stack([b[i] for b, _, i, _ in pending])).view(self.rows.dtype),
+            torch.from_numpy(np.stack([n[i] for _, n, i, _ in pending])),
+        )
+
+    def put(self, positions: list[int], rows: torch.Tensor, norms: torch.Tensor) -> None:
+        """Rows and their norms at these token positions; a position written again keeps
+        the later row."""
+        self.flush()  # earlier rows first, so that later ones win
+        n = len(positions)
+        if n == 0:
+            return
+        start, end = positions[0], positions[-1] + 1
+        contiguous = end - start == n and (n <= 2 or positions == list(range(start, end)))
+        needed = end if contiguous else max(positions) + 1
+        if needed > len(self.seen):  # generated tokens
+            self._resize(max(needed, 2 * len(self.seen)))
+        if contiguous:  # the usual case: one run of positions
+            self.rows[start:end] = rows
+            self.norms[start:end] = norms
+            self.seen[start:end] = b"\x01" * n
         else:
-            index = positions.long()
-        self.rows[index] = rows
-        self.norms[index] = norms
-        self.seen[index] = True
+            index = torch.tensor(positions)
+            self.rows[index] = rows
+            self.norms[index] = norms
+            for q in positions:
+                self.seen[q] = 1
+
+    def missing(self, n: int) -> list[int] | None:
+        """Up to 5 of the first n positions without a row; None if n is beyond the buffer."""
+        if n > len(self.seen):
+            return None
+        first = self.seen.find(0, 0, n)
+        if first < 0:
+            return []
+        return [q for q in range(first, n) if not self.seen[q]][:5]
+
+
+def host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor, as integers of the same width (numpy has no bf16)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()]).numpy()
 
 
 def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
-    grown = torch.zeros((cap, *t.shape[1:]), dtype=t.dtype)
+    grown = torch.empty((cap, *t.shape[1:]), dtype=t.dtype)  # pages are touched on write
     grown[: t.shape[0]] = t
     return grown
 
@@ -413,12 +471,23 @@ class HiddenStatesWriter:
         if slot.copied is not None:
             slot.copied.synchronize()
         try:
+            positions = slot.positions[: qsl[-1]].tolist()
+            short: list[tuple[_RequestBuffer, int]] = []  # (buffer, row in the slot)
             for i, req_id in enumerate(req_ids):
                 buf = self.requests.get(req_id)
                 if buf is None:
                     continue  # aborted, or finished before this step's rows
                 s, e = qsl[i], qsl[i + 1]
-                buf.put(slot.positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
+                if e - s > _SHORT_RUN:
+                    buf.put(positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
+                else:
+                    short += ((buf, r) for r in range(s, e))
+            if short:  # decode: one gather for the whole step, then references
+                index = torch.tensor([r for _, r in short])
+                block = host_view(slot.hidden_states[index])
+                block_norms = slot.norms[index].numpy()
+                for j, (buf, r) in enumerate(short):
+                    buf.defer(block, block_norms, j, positions[r])
         finally:
             slot.free.set()
 
@@ -444,9 +513,10 @@ class HiddenStatesWriter:
         path, n = buf.req.path, len(token_ids)
         ok = False
         try:
-            missing = (~buf.seen[:n]).nonzero().flatten() if buf.seen.shape[0] >= n else None
-            if missing is None or missing.numel():
-                where = "beyond the rows computed" if missing is None else missing[:5].tolist()
+            buf.flush()
+            missing = buf.missing(n)
+            if missing is None or missing:
+                where = "beyond the rows computed" if missing is None else missing
                 raise RuntimeError(f"hidden states missing for token positions {where}")
             hidden_states = buf.rows[:n]
             if self.cfg.validate_rows and (why := check_norms(buf.norms[:n])):
@@ -504,7 +574,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self.layer_ids = validate_vllm_config(vllm_config)
         self.storage_path = os.path.abspath(self.cfg.shared_storage_path)
         # Scheduler side
-        self._paths: dict[str, str] = {}
+        self._paths: dict[str, tuple[str, int]] = {}  # request id -> (file, rows to reserve)
         self._finished: list[FinishedRequest] = []
         # Worker side
         self._writer: HiddenStatesWriter | None = None
@@ -585,7 +655,12 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         if request.request_id not in self._paths:  # first allocation of this request
-            self._paths[request.request_id] = self._path_for(request)
+            params = request.kv_transfer_params or {}
+            outputs = request.max_tokens if params.get("include_output_tokens") else 0
+            self._paths[request.request_id] = (
+                self._path_for(request),
+                request.num_prompt_tokens + outputs,
+            )
 
     def _path_for(self, request: Request) -> str:
         custom = (request.kv_transfer_params or {}).get("hidden_states_path")
@@ -605,10 +680,12 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)
         self._finished = []
         for new in scheduler_output.scheduled_new_reqs:
-            path = self._paths.get(new.req_id)
-            if path is None:
+            if new.req_id not in self._paths:
                 continue
-            meta.new_requests.append(NewRequest(new.req_id, path, len(new.prompt_token_ids or ())))
+            path, rows = self._paths[new.req_id]
+            meta.new_requests.append(
+                NewRequest(new.req_id, path, len(new.prompt_token_ids or ()), rows)
+            )
         return meta
 
     def request_finished_all_groups(
@@ -616,7 +693,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        path = self._paths.pop(request.request_id, None)
+        path, _ = self._paths.pop(request.request_id, (None, 0))
         if path is None:
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED:
