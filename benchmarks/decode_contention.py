@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         "engine_step_with_writer_ms": round(o * 1e3, 3),
         "ratio": round(o / p, 3),
         "files": writer.stats["files"],
+        "engine_waited_s": round(writer.stats["engine_waited_s"], 3),
         "cpu_cores": os.cpu_count(),
     }
 

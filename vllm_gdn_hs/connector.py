@@ -367,7 +367,7 @@ class HiddenStatesWriter:
         self.tasks: queue.Queue = queue.Queue()
         self.pool = ThreadPoolExecutor(cfg.write_workers, thread_name_prefix="hs-write")
         self.pending_writes = 0
-        self.stats = dict(files=0, bytes=0, failed=0, dropped=0)
+        self.stats = dict(files=0, bytes=0, failed=0, dropped=0, engine_waited_s=0.0)
         self.stats_lock = threading.Lock()
         self.last_log = time.monotonic()
         self.drain = threading.Thread(target=self._drain_loop, name="hs-drain", daemon=True)
@@ -413,7 +413,9 @@ class HiddenStatesWriter:
         if not slot.free.is_set():  # host back-pressure: the drain thread is behind
             start = time.monotonic()
             slot.free.wait()
-            if (waited := time.monotonic() - start) > 0.5:
+            waited = time.monotonic() - start
+            self.stats["engine_waited_s"] += waited
+            if waited > 0.5:
                 logger.warning_once(
                     "%s: the engine waited %.1f s for host buffers: writing hidden states "
                     "is slower than the GPU (write to faster storage, or raise host_buffers "
@@ -447,7 +449,8 @@ class HiddenStatesWriter:
             _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
         self.requests.clear()
         logger.info(
-            "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s",
+            "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s; "
+            "the engine waited %.1f s in all for host buffers",
             CONNECTOR_NAME,
             self.stats["files"],
             self.stats["bytes"] / 1e9,
@@ -455,6 +458,7 @@ class HiddenStatesWriter:
             self.stats["dropped"],
             len(unfinished),
             f" ({', '.join(unfinished[:5])})" if unfinished else "",
+            self.stats["engine_waited_s"],
         )
 
     # -- drain thread -----------------------------------------------------
