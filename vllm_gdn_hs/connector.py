@@ -176,7 +176,8 @@ class HybridHiddenStatesConnectorMetadata(KVConnectorMetadata):
 
 
 # Runs of up to this many rows (decode steps) are gathered per step and filed in batches
-# of _PENDING_ROWS per request; longer runs (prefill chunks) are copied at once.
+# of 32 to 63 rows per request (staggered, so that requests decoding in lockstep do not
+# all file in the same step); longer runs (prefill chunks) are copied at once.
 _SHORT_RUN, _PENDING_ROWS = 4, 32
 
 
@@ -187,13 +188,21 @@ class _RequestBuffer:
     decode step issuing kernels. So the per-row work of decode stays out of Python: a
     step's short runs are gathered into one block by one numpy call (which lets go of
     the GIL while it copies), each request keeps (block, row) references, and files them
-    _PENDING_ROWS at a time, picking them out as numpy views (bf16 as int16, the same
-    bytes), which costs a tenth of a torch call. A block lives until every request holding
-    rows of it has filed them. Long runs (prefill) are copied by torch, in parallel.
+    a few dozen at a time, stacking numpy views (bf16 as int16, the same bytes; a tenth of
+    the cost of a torch call) straight into place. A block lives until every request
+    holding rows of it has filed them. Long runs (prefill) are copied by torch, in parallel.
     """
 
-    def __init__(self, req: NewRequest, num_layers: int, hidden: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        req: NewRequest,
+        num_layers: int,
+        hidden: int,
+        dtype: torch.dtype,
+        flush_rows: int = _PENDING_ROWS,
+    ):
         self.req = req
+        self.flush_rows = flush_rows
         self.rows = torch.empty((0, num_layers, hidden), dtype=dtype)
         self.norms = torch.empty((0, num_layers), dtype=torch.float32)
         self.seen = bytearray()  # 1 where a position's row has arrived
@@ -204,22 +213,32 @@ class _RequestBuffer:
     def _resize(self, cap: int) -> None:
         self.rows, self.norms = (_grow(t, cap) for t in (self.rows, self.norms))
         self.seen.extend(bytes(cap - len(self.seen)))
+        self._rows, self._norms = host_view(self.rows), host_view(self.norms)
 
     def defer(self, rows: np.ndarray, norms: np.ndarray, i: int, position: int) -> None:
         """Row i of a step's block of short-run rows, for this position."""
         self.pending.append((rows, norms, i, position))
-        if len(self.pending) >= _PENDING_ROWS:
+        if len(self.pending) >= self.flush_rows:
             self.flush()
 
     def flush(self) -> None:
         if not self.pending:
             return
         pending, self.pending = self.pending, []
-        self.put(
-            [q for *_, q in pending],
-            torch.from_numpy(np.stack([b[i] for b, _, i, _ in pending])).view(self.rows.dtype),
-            torch.from_numpy(np.stack([n[i] for _, n, i, _ in pending])),
-        )
+        positions = [q for *_, q in pending]
+        rows = [b[i] for b, _, i, _ in pending]
+        norms = [n[i] for _, n, i, _ in pending]
+        start, end = positions[0], positions[-1] + 1
+        if positions == list(range(start, end)) and end <= len(self.seen):  # decode
+            np.stack(rows, out=self._rows[start:end])
+            np.stack(norms, out=self._norms[start:end])
+            self.seen[start:end] = b"\x01" * len(positions)
+        else:
+            self.put(
+                positions,
+                torch.from_numpy(np.stack(rows)).view(self.rows.dtype),
+                torch.from_numpy(np.stack(norms)).view(torch.float32),
+            )
 
     def put(self, positions: list[int], rows: torch.Tensor, norms: torch.Tensor) -> None:
         """Rows and their norms at these token positions; a position written again keeps
@@ -238,10 +257,11 @@ class _RequestBuffer:
             self.norms[start:end] = norms
             self.seen[start:end] = b"\x01" * n
         else:
-            index = torch.tensor(positions)
-            self.rows[index] = rows
-            self.norms[index] = norms
-            for q in positions:
+            last = {q: k for k, q in enumerate(positions)}  # a repeated position: the later row
+            src, dst = torch.tensor(list(last.values())), torch.tensor(list(last))
+            self.rows[dst] = rows[src]
+            self.norms[dst] = norms[src]
+            for q in last:
                 self.seen[q] = 1
 
     def missing(self, n: int) -> list[int] | None:
@@ -364,6 +384,7 @@ class HiddenStatesWriter:
         self.next_slot = 0
         self.last_copy: torch.cuda.Event | None = None
         self.requests: dict[str, _RequestBuffer] = {}
+        self.created = 0  # request buffers made, to stagger their flushes
         self.tasks: queue.Queue = queue.Queue()
         self.pool = ThreadPoolExecutor(cfg.write_workers, thread_name_prefix="hs-write")
         self.pending_writes = 0
@@ -386,8 +407,13 @@ class HiddenStatesWriter:
                 continue
             try:
                 self.requests[req.req_id] = _RequestBuffer(
-                    req, self.num_layers, self.hidden, self.dtype
+                    req,
+                    self.num_layers,
+                    self.hidden,
+                    self.dtype,
+                    flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
                 )
+                self.created += 1
             except OSError as e:  # never stop the engine for one request's file
                 logger.error(
                     "%s: request %s: no hidden-states file: cannot lock %s.lock: %s",
@@ -487,9 +513,9 @@ class HiddenStatesWriter:
                 else:
                     short += ((buf, r) for r in range(s, e))
             if short:  # decode: one gather for the whole step, then references
-                index = torch.tensor([r for _, r in short])
-                block = host_view(slot.hidden_states[index])
-                block_norms = slot.norms[index].numpy()
+                index = [r for _, r in short]  # numpy copies whole rows; torch, elements
+                block = host_view(slot.hidden_states)[index]
+                block_norms = host_view(slot.norms)[index]
                 for j, (buf, r) in enumerate(short):
                     buf.defer(block, block_norms, j, positions[r])
         finally:
