@@ -150,6 +150,8 @@ def fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
 
 def note(r: dict) -> str:
     parts = [r["hf_batch_note"]] if r.get("hf_batch_note") else []
+    if r.get("commit"):
+        parts.append(f"commit {r['commit']}")
     if r.get("error"):
         err = r.get("error_summary") or (r["error"].strip().splitlines() or ["error"])[-1]
         parts.append(err[:160] if err.startswith("skipped") else "failed: " + err[:160])
