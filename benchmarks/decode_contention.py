@@ -128,9 +128,10 @@ def main() -> int:
     p.add_argument("--ops-per-step", type=int, default=1000)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--label", help="stored in the record, e.g. the commit measured")
     p.add_argument("--results", help="append the record to this JSON file")
     args = p.parse_args()
-    rec = run(args)
+    rec = dict(run(args), label=args.label)
     print(json.dumps(rec), flush=True)
     if args.results:
         merge_results(args.results, [rec])
