@@ -574,7 +574,8 @@ class HiddenStatesWriter:
                     self.last_log = now
                     logger.info(
                         "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
-                        "%d writing, %d requests in flight",
+                        "%d writing, %d requests in flight; the engine waited %.1f s for host "
+                        "buffers so far",
                         CONNECTOR_NAME,
                         self.stats["files"],
                         self.stats["bytes"] / 1e9,
@@ -582,6 +583,7 @@ class HiddenStatesWriter:
                         self.stats["dropped"],
                         self.pending_writes,
                         len(self.requests),
+                        self.stats["engine_waited_s"],
                     )
 
 
