@@ -195,6 +195,33 @@ def test_reserved_output_rows_and_a_long_run(writer, storage):
     )
 
 
+def test_reservation_refused_falls_back_to_growing(writer, storage, monkeypatch):
+    # Under strict overcommit a reservation of prompt + max_tokens rows can be refused;
+    # the buffer then holds the prompt and grows for the outputs.
+    import vllm_gdn_hs.connector as connector
+
+    real = connector._grow
+
+    def grow(t, cap):
+        if cap > 1000:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real(t, cap)
+
+    monkeypatch.setattr(connector, "_grow", grow)
+    data = rows(5)
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(
+            new_requests=[NewRequest("g", path_of(storage, "g"), 3, 10**6)]
+        )
+    )
+    save(writer, ("g", 0, data[:3]))
+    save(writer, ("g", 3, data[3:4]))
+    save(writer, ("g", 4, data[4:]))
+    finish(writer, g=list(range(5)))
+    writer.close()
+    assert torch.equal(load_file(path_of(storage, "g"))["hidden_states"], data)
+
+
 def test_positions_out_of_order_and_rewritten(writer, storage):
     # Rows arrive by position, not batch order; a position written again keeps the later
     # row (a preempted request recomputes its prompt).

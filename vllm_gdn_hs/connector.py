@@ -208,7 +208,10 @@ class _RequestBuffer:
         self.norms = torch.empty((0, num_layers), dtype=torch.float32)
         self.seen = bytearray()  # 1 where a position's row has arrived
         self.pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # block, norms, i, pos
-        self._resize(max(req.num_prompt_tokens, req.num_rows))
+        try:
+            self._resize(max(req.num_prompt_tokens, req.num_rows))
+        except RuntimeError:  # no address space for the reservation (strict overcommit)
+            self._resize(req.num_prompt_tokens)  # outputs' rows then grow the buffer
         self.lock_fd = _take_lock(req.path + ".lock")
 
     def _resize(self, cap: int) -> None:
