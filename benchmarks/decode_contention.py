@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> dict:
             # The engine's own work is timed, plus any wait for a free host buffer: on a
             # GPU, save() is otherwise a few asynchronous launches (here, a CPU copy). The
             # drain thread files the rows while the next engine step runs.
-            waited = writer.stats["engine_waited_s"]
+            waited = writer.timing["engine_waited_s"]
             writer.save(rows, ids, qsl, torch.full((args.requests,), args.prompt + step))
-            waited = writer.stats["engine_waited_s"] - waited  # back-pressure: counted
+            waited = writer.timing["engine_waited_s"] - waited  # back-pressure: counted
             t = time.perf_counter()
             engine_step(x, args.ops_per_step)
             ours.append(time.perf_counter() - t + waited)
@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> dict:
         "engine_step_with_writer_ms": round(o * 1e3, 3),
         "ratio": round(o / p, 3),
         "files": writer.stats["files"],
-        "engine_waited_s": round(writer.stats["engine_waited_s"], 3),
+        "engine_waited_s": round(writer.timing["engine_waited_s"], 3),
+        "writer": writer.timing_summary(),
         "cpu_cores": os.cpu_count(),
     }
 

@@ -193,6 +193,8 @@ def test_reserved_output_rows_and_a_long_run(writer, storage):
     assert torch.equal(
         load_file(path_of(storage, "g"))["hidden_states"], torch.cat([prompt, *outs])
     )
+    assert writer.timing["steps"] == 7 and writer.timing["drain_s"] > 0
+    assert writer.timing_summary().startswith("7 steps; per step ")
 
 
 def test_reservation_refused_falls_back_to_growing(writer, storage, monkeypatch):

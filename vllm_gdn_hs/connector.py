@@ -393,7 +393,10 @@ class HiddenStatesWriter:
         self.tasks: queue.Queue = queue.Queue()
         self.pool = ThreadPoolExecutor(cfg.write_workers, thread_name_prefix="hs-write")
         self.pending_writes = 0
-        self.stats = dict(files=0, bytes=0, failed=0, dropped=0, engine_waited_s=0.0)
+        self.stats = dict(files=0, bytes=0, failed=0, dropped=0)
+        # Host cost, for the logs: steps saved, seconds of the engine thread in save()
+        # (waits for a free host buffer included, and counted apart), of drain work.
+        self.timing = dict(steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0)
         self.stats_lock = threading.Lock()
         self.last_log = time.monotonic()
         self.drain = threading.Thread(target=self._drain_loop, name="hs-drain", daemon=True)
@@ -438,6 +441,7 @@ class HiddenStatesWriter:
         positions: torch.Tensor,
     ) -> None:
         """One step's rows [tokens, L, H] in batch order, with each row's token position."""
+        t0 = time.perf_counter()
         num_tokens = hidden_states.shape[0]
         slot = self.slots[self.next_slot]
         self.next_slot = (self.next_slot + 1) % len(self.slots)
@@ -445,7 +449,7 @@ class HiddenStatesWriter:
             start = time.monotonic()
             slot.free.wait()
             waited = time.monotonic() - start
-            self.stats["engine_waited_s"] += waited
+            self.timing["engine_waited_s"] += waited
             if waited > 0.5:
                 logger.warning_once(
                     "%s: the engine waited %.1f s for host buffers: writing hidden states "
@@ -468,6 +472,17 @@ class HiddenStatesWriter:
                 slot.copied.record(self.stream)
             self.last_copy = slot.copied
         self.tasks.put(("rows", slot, req_ids, query_start_loc_cpu.tolist()))
+        self.timing["steps"] += 1
+        self.timing["engine_save_s"] += time.perf_counter() - t0
+
+    def timing_summary(self) -> str:
+        t = self.timing
+        steps = max(t["steps"], 1)
+        return (
+            f"{t['steps']} steps; per step {1e3 * t['engine_save_s'] / steps:.2f} ms of the "
+            f"engine thread in save() ({t['engine_waited_s']:.1f} s waiting for host buffers in "
+            f"all) and {1e3 * t['drain_s'] / steps:.2f} ms of drain work"
+        )
 
     def close(self, timeout: float = 600.0) -> None:
         done = threading.Event()
@@ -480,8 +495,7 @@ class HiddenStatesWriter:
             _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
         self.requests.clear()
         logger.info(
-            "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s; "
-            "the engine waited %.1f s in all for host buffers",
+            "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s; %s",
             CONNECTOR_NAME,
             self.stats["files"],
             self.stats["bytes"] / 1e9,
@@ -489,7 +503,7 @@ class HiddenStatesWriter:
             self.stats["dropped"],
             len(unfinished),
             f" ({', '.join(unfinished[:5])})" if unfinished else "",
-            self.stats["engine_waited_s"],
+            self.timing_summary(),
         )
 
     # -- drain thread -----------------------------------------------------
@@ -505,6 +519,7 @@ class HiddenStatesWriter:
     def _on_rows(self, slot: _Slot, req_ids: list[str], qsl: list[int]) -> None:
         if slot.copied is not None:
             slot.copied.synchronize()
+        t0 = time.perf_counter()
         try:
             positions = slot.positions[: qsl[-1]].tolist()
             short: list[tuple[_RequestBuffer, int]] = []  # (buffer, row in the slot)
@@ -531,6 +546,7 @@ class HiddenStatesWriter:
                 buf.flush()
             self.deferring = {buf for buf in touched if buf.pending}
         finally:
+            self.timing["drain_s"] += time.perf_counter() - t0
             slot.free.set()
 
     def _on_finish(self, fin: FinishedRequest) -> None:
@@ -587,8 +603,7 @@ class HiddenStatesWriter:
                     self.last_log = now
                     logger.info(
                         "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
-                        "%d writing, %d requests in flight; the engine waited %.1f s for host "
-                        "buffers so far",
+                        "%d writing, %d requests in flight; %s",
                         CONNECTOR_NAME,
                         self.stats["files"],
                         self.stats["bytes"] / 1e9,
@@ -596,7 +611,7 @@ class HiddenStatesWriter:
                         self.stats["dropped"],
                         self.pending_writes,
                         len(self.requests),
-                        self.stats["engine_waited_s"],
+                        self.timing_summary(),
                     )
 
 
