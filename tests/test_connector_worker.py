@@ -241,12 +241,6 @@ def test_positions_out_of_order_and_rewritten(writer, storage):
     assert torch.equal(got, want)
 
 
-def drained(writer) -> None:
-    done = threading.Event()
-    writer.tasks.put(("flush", done))
-    assert done.wait(10)
-
-
 def test_decode_rows_are_filed_once_a_request_skips_a_step(writer, storage):
     # "a" decodes two steps and then is not scheduled (preempted); its rows leave the step
     # blocks at once, while "b", still decoding, keeps batching them.
@@ -255,7 +249,7 @@ def test_decode_rows_are_filed_once_a_request_skips_a_step(writer, storage):
     save(writer, ("a", 2, rows(1)), ("b", 2, rows(1)))
     save(writer, ("a", 3, rows(1)), ("b", 3, rows(1)))
     save(writer, ("b", 4, rows(1)))
-    drained(writer)
+    assert writer.drained(10)
     a, b = writer.requests["a"], writer.requests["b"]
     assert a.pending == [] and bytes(a.seen[:4]) == b"\x01" * 4
     assert len(b.pending) == 5 and writer.deferring == {b}

@@ -233,7 +233,7 @@ class _RequestBuffer:
         rows = [b[i] for b, _, i, _ in pending]
         norms = [n[i] for _, n, i, _ in pending]
         start, end = positions[0], positions[-1] + 1
-        if positions == list(range(start, end)) and end <= len(self.seen):  # decode
+        if _is_run(positions) and end <= len(self.seen):  # decode
             np.stack(rows, out=self._rows[start:end])
             np.stack(norms, out=self._norms[start:end])
             self.seen[start:end] = b"\x01" * len(positions)
@@ -252,7 +252,7 @@ class _RequestBuffer:
         if n == 0:
             return
         start, end = positions[0], positions[-1] + 1
-        contiguous = end - start == n and (n <= 2 or positions == list(range(start, end)))
+        contiguous = _is_run(positions)
         needed = end if contiguous else max(positions) + 1
         if needed > len(self.seen):  # generated tokens
             self._resize(max(needed, 2 * len(self.seen)))
@@ -276,6 +276,12 @@ class _RequestBuffer:
         if first < 0:
             return []
         return [q for q in range(first, n) if not self.seen[q]][:5]
+
+
+def _is_run(positions: list[int]) -> bool:
+    """Whether the positions are consecutive and increasing (a prefill chunk, decode rows)."""
+    start, n = positions[0], len(positions)
+    return positions[-1] - start == n - 1 and (n <= 2 or positions == list(range(start, start + n)))
 
 
 def host_view(t: torch.Tensor) -> np.ndarray:
@@ -484,10 +490,14 @@ class HiddenStatesWriter:
             f"all) and {1e3 * t['drain_s'] / steps:.2f} ms of drain work"
         )
 
-    def close(self, timeout: float = 600.0) -> None:
+    def drained(self, timeout: float) -> bool:
+        """Wait until the drain thread has done every task queued before this call."""
         done = threading.Event()
         self.tasks.put(("flush", done))
-        if not done.wait(timeout):
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 600.0) -> None:
+        if not self.drained(timeout):
             logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME, timeout)
         self.pool.shutdown(wait=True)
         unfinished = list(self.requests)
