@@ -20,6 +20,7 @@ on first use). Tests of stock vLLM (no plugin) run in a fresh interpreter with
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -72,6 +73,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_logs_to_caplog(caplog):
+    """Our loggers live under ``vllm``, which vLLM sets not to propagate to the root logger,
+    where caplog listens; hand caplog's handler to the ``vllm`` logger as well."""
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    yield
+    vllm_logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture(scope="session")

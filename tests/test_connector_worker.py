@@ -37,7 +37,7 @@ from vllm_gdn_hs.connector import (
 )
 
 L, H = 3, 16
-LOGGER = "vllm_gdn_hs.connector"
+LOGGER = conn_mod.logger.name
 
 
 @pytest.fixture

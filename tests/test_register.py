@@ -169,3 +169,19 @@ def test_every_runtime_patch_has_a_source_twin(name):
     files = [f for f in os.listdir(_SERIES) if f.endswith(".patch")]
     twins = [f for f in files if all(w in f.lower() for w in words)]
     assert len(twins) == 1, f"{name}: no single twin in {_SERIES} among {files}"
+
+
+_LOG = """
+import vllm_gdn_hs.connector as c, vllm_gdn_hs.patch.patch_config_vllm as p
+c.logger.info("connector line")
+p.logger.info("patch line")
+"""
+
+
+def test_info_lines_reach_vllms_log(run_python):
+    """The writer's progress and shutdown lines are INFO: they must go through vLLM's own
+    logging setup (its handler on stdout, at VLLM_LOGGING_LEVEL), not be dropped."""
+    proc = run_python(_LOG, plugins=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("connector line", "patch line"):
+        assert any(line in ln and "INFO" in ln for ln in proc.stdout.splitlines()), proc.stdout

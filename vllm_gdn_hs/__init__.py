@@ -14,6 +14,18 @@ CONNECTOR_MODULE = "vllm_gdn_hs.connector"
 _registered = False
 
 
+def init_logger(name: str):
+    """vLLM's ``init_logger`` for one of our modules, named inside the ``vllm`` logger tree.
+
+    vLLM's logging setup (its handler, ``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH``)
+    covers the ``vllm`` logger only; a logger outside it would drop every INFO line, the
+    writer's progress and shutdown lines among them.
+    """
+    from vllm.logger import init_logger as vllm_init_logger
+
+    return vllm_init_logger(f"vllm.{name}")
+
+
 def register() -> None:
     """Check the vLLM version, apply its runtime patches, register the connector.
 

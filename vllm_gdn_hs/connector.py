@@ -47,9 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.logger import init_logger
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

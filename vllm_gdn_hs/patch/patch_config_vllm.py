@@ -32,9 +32,8 @@ upstream. Remove when both do. Source twin: ``patches/0.20.1/0001-*.patch``.
 from __future__ import annotations
 
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)

@@ -19,9 +19,8 @@ Remove when the connector handles cached prefixes. Source twin:
 from __future__ import annotations
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.logger import init_logger
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)
