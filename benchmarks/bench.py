@@ -236,6 +236,26 @@ def dist_version(*names: str) -> str | None:
     return None
 
 
+def git_commit() -> str | None:
+    """The checkout's short commit, "-dirty" when tracked files differ from it; None without git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=7", "HEAD"], cwd=here, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def versions() -> dict:
     return dict(
         vllm=dist_version("vllm"),
@@ -790,6 +810,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="smoke test: --shape tiny --workloads 16x512,16x512-out8 --eager",
     )
+    p.add_argument(
+        "--run",
+        help="a label shared by the plain and the extraction groups measured together (two "
+        "commands at once on two GPUs, say): report.py divides by the plain record of the same run",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=540, help="hard limit per variant, seconds")
     p.add_argument(
@@ -864,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
         write_target="tmpfs" if fs_type(args.out_dir) == "tmpfs" else "disk",
         out_dir=args.out_dir,
         out_fs=fs_type(args.out_dir),
+        commit=git_commit(),
+        run=args.run,
     )
     print(f"[bench] {common['gpu']}, {common['versions']}, model folder {model_dir}")
     for name in args.workloads:
