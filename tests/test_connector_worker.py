@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -371,6 +372,38 @@ def test_full_disk_logged_and_others_written(writer, storage, caplog, monkeypatc
     assert len(msgs) == 1
     assert "request full:" in msgs[0] and "No space left on device" in msgs[0]
     assert writer.stats["failed"] == 1 and writer.stats["files"] == 1
+
+
+def test_write_backlog_bounded_and_nothing_lost(storage, caplog, monkeypatch):
+    """Writes slower than the GPU: past write_backlog_gb the drain thread waits for the
+    writers (and so, through the ring, the engine) instead of holding ever more finished
+    requests in host memory; every file is still written once the writes catch up."""
+    gate, real_replace = threading.Event(), os.replace
+
+    def slow_replace(src, dst):
+        gate.wait(30)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    per_request = 8 * L * H * 2  # 8 rows of bf16
+    w = make_writer(storage, write_workers=1, write_backlog_gb=3 * per_request / 1e9)
+    data = {f"r{i}": rows(8) for i in range(6)}
+    new(w, storage, **{r: 8 for r in data})
+    save(w, *((r, 0, x) for r, x in data.items()))
+    finish(w, **{r: list(range(8)) for r in data})
+    deadline = time.monotonic() + 10
+    while w.pending_writes < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # unbounded, the drain thread would queue the 4th write by now
+    assert (w.pending_writes, w.backlog_bytes) == (3, 3 * per_request)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("write_backlog_gb" in m and "faster storage" in m for m in msgs), msgs
+    gate.set()
+    w.close(timeout=30)
+    assert (w.pending_writes, w.backlog_bytes, w.stats["files"]) == (0, 0, 6)
+    for r, x in data.items():
+        assert torch.equal(load_file(path_of(storage, r))["hidden_states"], x)
+    assert leftovers(storage) == []
 
 
 def test_vanished_folder_logged_and_others_written(writer, storage, caplog):

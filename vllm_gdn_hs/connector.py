@@ -71,6 +71,9 @@ class HiddenStatesConfig(BaseModel):
     host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
     write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
+    write_backlog_gb: float = Field(
+        16.0, gt=0, description="host memory of finished requests waiting for their file writes"
+    )
     allow_custom_save_path: bool = False
 
 
@@ -403,6 +406,11 @@ class HiddenStatesWriter:
         # (waits for a free host buffer included, and counted apart), of drain work.
         self.timing = dict(steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0)
         self.stats_lock = threading.Lock()
+        # Rows of finished requests not yet written, bounded by write_backlog_gb: past it
+        # the drain thread waits for the writers, the ring fills and the engine slows to
+        # the speed of the writes instead of the host running out of memory.
+        self.backlog_bytes = 0
+        self.backlog = threading.Condition(self.stats_lock)
         self.last_log = time.monotonic()
         self.drain = threading.Thread(target=self._drain_loop, name="hs-drain", daemon=True)
         self.drain.start()
@@ -568,16 +576,31 @@ class HiddenStatesWriter:
             with self.stats_lock:
                 self.stats["dropped"] += 1
             return
-        with self.stats_lock:
+        nbytes = len(fin.token_ids) * self.num_layers * self.hidden * self.dtype.itemsize
+        limit = self.cfg.write_backlog_gb * 1e9
+        with self.backlog:
+            if self.backlog_bytes and self.backlog_bytes + nbytes > limit:
+                logger.warning_once(
+                    "%s: %.1f GB of finished requests wait for their files to be written "
+                    "(write_backlog_gb=%g): extraction now runs at the speed of the writes "
+                    "(write to faster storage, or raise write_workers)",
+                    CONNECTOR_NAME,
+                    self.backlog_bytes / 1e9,
+                    self.cfg.write_backlog_gb,
+                )
+                self.backlog.wait_for(
+                    lambda: not self.backlog_bytes or self.backlog_bytes + nbytes <= limit
+                )
+            self.backlog_bytes += nbytes
             self.pending_writes += 1
-        self.pool.submit(self._write, buf, fin.token_ids)
+        self.pool.submit(self._write, buf, fin.token_ids, nbytes)
 
     def _on_flush(self, done: threading.Event) -> None:
         done.set()
 
     # -- writer threads -----------------------------------------------------
     @torch.inference_mode()
-    def _write(self, buf: _RequestBuffer, token_ids: list[int]) -> None:
+    def _write(self, buf: _RequestBuffer, token_ids: list[int], nbytes: int) -> None:
         path, n = buf.req.path, len(token_ids)
         ok = False
         try:
@@ -602,8 +625,10 @@ class HiddenStatesWriter:
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
             _release_lock(buf.lock_fd, path + ".lock", remove=not ok)
-            with self.stats_lock:
+            with self.backlog:
                 self.pending_writes -= 1
+                self.backlog_bytes -= nbytes
+                self.backlog.notify_all()
                 self.stats["files" if ok else "failed"] += 1
                 if ok:
                     self.stats["bytes"] += buf.rows[:n].numel() * buf.rows.element_size()
@@ -612,13 +637,14 @@ class HiddenStatesWriter:
                     self.last_log = now
                     logger.info(
                         "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
-                        "%d writing, %d requests in flight; %s",
+                        "%d writing (%.2f GB), %d requests in flight; %s",
                         CONNECTOR_NAME,
                         self.stats["files"],
                         self.stats["bytes"] / 1e9,
                         self.stats["failed"],
                         self.stats["dropped"],
                         self.pending_writes,
+                        self.backlog_bytes / 1e9,
                         len(self.requests),
                         self.timing_summary(),
                     )
