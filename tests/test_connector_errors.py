@@ -137,7 +137,8 @@ def test_unwritable_storage_path(hybrid_model, tmp_path):
     msg = str(e.value)
     assert f"shared_storage_path {str(storage)!r} is not writable" in msg
     assert "Not a directory" in msg
-    assert '"shared_storage_path": "..."' in msg and "--kv-transfer-config" in msg
+    assert "--hidden-states-path" in msg
+    assert '"shared_storage_path"' in msg and "--kv-transfer-config" in msg
     assert blocker.read_text() == "not a folder"
 
 

@@ -5,6 +5,7 @@ Run: python -m pytest tests/test_doctor.py -q   (CPU; the CLI runs in subprocess
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from vllm_gdn_hs import doctor
 from vllm_gdn_hs.doctor import _compress, checks
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -82,3 +84,26 @@ def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsy
     assert "FAIL  vllm" in out
     assert "supports vllm==0.20.1, found vllm 0.19.0" in out
     assert "pip install 'vllm==0.20.1'" in out
+
+
+def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
+    folder = tmp_path / "hs" / "new"  # made, as the connector makes it
+    rows = {
+        item.strip(): (value, problem) for item, value, problem in checks(hybrid_model, str(folder))
+    }
+    assert all(p is None for _, p in rows.values()), rows
+    assert rows["hidden-states path"][0] == str(folder)
+    assert float(rows["write speed (one stream, fsync)"][0].split()[0]) > 0
+    # hidden 256, 4 layers of bf16: 2,048 bytes a token
+    assert rows["at 4 layers (speculators' default)"][0].startswith("2.0 KB/token")
+    assert os.listdir(folder) == []  # the probe file is gone
+
+
+def test_doctor_unwritable_hidden_states_path_names_the_fix(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = _cli("doctor", "--hidden-states-path", str(blocker / "hs"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    fix = [line for line in r.stdout.splitlines() if line.startswith("fix hidden-states path")]
+    assert fix and "is not writable" in fix[0] and "--hidden-states-path" in fix[0], r.stdout

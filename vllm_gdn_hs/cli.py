@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="check the install; works without a GPU")
     doc.add_argument("--model", help="a HF model folder to inspect (hybrid? layers? hidden size?)")
+    doc.add_argument(
+        "--hidden-states-path",
+        help="the folder files will go to: writable? free space? write speed (writes 1 GiB)?",
+    )
     sub.add_parser(
         "launch",
         help="start vllm serve for hidden-state extraction "
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from vllm_gdn_hs.doctor import run_doctor
 
-        return run_doctor(args.model)
+        return run_doctor(args.model, args.hidden_states_path)
     from vllm_gdn_hs.demo import run_demo
 
     return run_demo(args.workdir)

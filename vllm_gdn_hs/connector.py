@@ -140,8 +140,8 @@ def check_storage_path(path: str) -> None:
     except OSError as e:
         raise ValueError(
             f"{CONNECTOR_NAME}: shared_storage_path {path!r} is not writable ({e}); pass a "
-            'writable folder in --kv-transfer-config \'{"kv_connector_extra_config": '
-            '{"shared_storage_path": "..."}}\''
+            "writable folder: --hidden-states-path DIR to the launcher, or "
+            '"shared_storage_path" in --kv-transfer-config\'s kv_connector_extra_config'
         ) from None
 
 

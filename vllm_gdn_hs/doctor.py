@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from importlib import metadata
+
+PROBE_BYTES = 1 << 30  # written, fsync-ed and removed to measure the storage
 
 
 def _version(dist: str) -> str | None:
@@ -24,7 +29,56 @@ def _compress(ids: list[int]) -> str:
     return ",".join(parts) or "-"
 
 
-def checks(model: str | None = None) -> list[tuple[str, str, str | None]]:
+def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes/s of one sequential write of ``nbytes`` into ``folder``, fsync included, as a
+    file writer does (the probe file is removed)."""
+    block = os.urandom(1 << 20) * 64  # incompressible, 64 MiB
+    path = os.path.join(folder, f".vllm-gdn-hs-probe-{os.getpid()}")
+    t0 = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(nbytes // len(block), 1)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return max(nbytes, len(block)) / (time.perf_counter() - t0)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, str | None]]:
+    """The hidden-states folder: writable, free space, write speed, and what those mean in
+    tokens at speculators' default of 4 layers when the model's hidden size is known."""
+    from vllm_gdn_hs.connector import check_storage_path
+
+    try:
+        check_storage_path(path)
+        free = shutil.disk_usage(path).free
+        speed = write_speed(path, min(PROBE_BYTES, max(free // 4, 1 << 26)))
+    except (ValueError, OSError) as e:
+        return [("hidden-states path", path, str(e))]
+    rows = [
+        ("hidden-states path", path, None),
+        ("  free space", f"{free / 1e9:,.1f} GB", None),
+        ("  write speed (one stream, fsync)", f"{speed / 1e9:.2f} GB/s", None),
+    ]
+    if hidden_size:
+        per_token = 4 * hidden_size * 2  # 4 layers of bf16 rows
+        rows.append(
+            (
+                "  at 4 layers (speculators' default)",
+                f"{per_token / 1e3:.1f} KB/token: room for {free / per_token / 1e6:,.1f}M "
+                f"tokens; one stream keeps up with {speed / per_token:,.0f} tokens/s",
+                None,
+            )
+        )
+    return rows
+
+
+def checks(
+    model: str | None = None, hidden_states_path: str | None = None
+) -> list[tuple[str, str, str | None]]:
     """(item, value, problem-or-None) rows."""
     from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, supported_vllm
 
@@ -72,6 +126,7 @@ def checks(model: str | None = None) -> list[tuple[str, str, str | None]]:
         gpu = "none visible"
     rows.append(("GPU", gpu, None))
 
+    info = None
     if model:
         from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
 
@@ -79,7 +134,7 @@ def checks(model: str | None = None) -> list[tuple[str, str, str | None]]:
             info = read_model_info(model)
         except ModelConfigError as e:
             rows.append(("model", model, str(e)))
-            return rows
+    if info:
         rows.append(
             ("model", f"{model} ({', '.join(info.architectures) or info.model_type})", None)
         )
@@ -93,11 +148,13 @@ def checks(model: str | None = None) -> list[tuple[str, str, str | None]]:
         rows.append(
             ("multimodal (pass --language-model-only)", "yes" if info.multimodal else "no", None)
         )
+    if hidden_states_path:
+        rows += storage_checks(hidden_states_path, info.hidden_size if info else None)
     return rows
 
 
-def run_doctor(model: str | None = None) -> int:
-    rows = checks(model)
+def run_doctor(model: str | None = None, hidden_states_path: str | None = None) -> int:
+    rows = checks(model, hidden_states_path)
     width = max(len(r[0]) for r in rows)
     for item, value, problem in rows:
         mark = "FAIL" if problem else "ok"
