@@ -1,0 +1,61 @@
+"""benchmarks/report.py on the committed GPU results; CPU only, no vLLM.
+
+Run: python -m pytest tests/test_report.py -q
+Covers: "x plain" divides by the plain record of the same run; README.md's Measured block and
+benchmarks/results/README-table.md are what report.py makes of benchmarks/results/h200.json
+(regenerate them after adding records); the README block is replaced, not appended to.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results", "h200.json")
+_spec = importlib.util.spec_from_file_location(
+    "report", os.path.join(REPO, "benchmarks", "report.py")
+)
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+@pytest.fixture(scope="module")
+def records():
+    return report.load([RESULTS])
+
+
+def test_plain_of_the_same_run(records):
+    ours = [r for r in records if r["variant"] == "ours" and r.get("run") == "run13d"]
+    assert ours and ours[0]["write_target"] == "disk"
+    plain = report.plain_for(ours[0], records)
+    assert plain["run"] == "run13d" and plain["variant"] == "plain"
+    # An older record keeps its own run's plain, not the newest one.
+    old = next(r for r in records if r["variant"] == "ours" and r.get("run") == "run8")
+    assert report.plain_for(old, records)["run"] == "run8"
+
+
+def test_generated_files_are_current(records):
+    rows = report.select(records)
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    block = readme.split(report.README_BEGIN, 1)[1].split(report.README_END, 1)[0]
+    expected = report.conditions(rows) + "\n\n" + report.summary(rows, records)
+    assert block.strip() == expected.strip(), "run benchmarks/report.py ... --readme README.md"
+    with open(os.path.join(REPO, "benchmarks", "results", "README-table.md")) as f:
+        table = f.read()
+    assert table.strip() == report.markdown(rows, records, "h200.json").strip()
+
+
+def test_splice_replaces_the_block(tmp_path):
+    path = tmp_path / "README.md"
+    path.write_text(f"a\n{report.README_BEGIN}\nold\n{report.README_END}\nb\n")
+    report.splice_readme(str(path), "new")
+    report.splice_readme(str(path), "newer")
+    assert path.read_text() == f"a\n{report.README_BEGIN}\nnewer\n{report.README_END}\nb\n"
+    bare = tmp_path / "bare.md"
+    bare.write_text("no block")
+    with pytest.raises(SystemExit, match="no .* block"):
+        report.splice_readme(str(bare), "x")
