@@ -33,15 +33,16 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
     """Bytes/s of one sequential write of ``nbytes`` into ``folder``, fsync included, as a
     file writer does (the probe file is removed)."""
     block = os.urandom(1 << 20) * 64  # incompressible, 64 MiB
+    blocks = max(nbytes // len(block), 1)
     path = os.path.join(folder, f".vllm-gdn-hs-probe-{os.getpid()}")
     t0 = time.perf_counter()
     try:
         with open(path, "wb") as f:
-            for _ in range(max(nbytes // len(block), 1)):
+            for _ in range(blocks):
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
-        return max(nbytes, len(block)) / (time.perf_counter() - t0)
+        return blocks * len(block) / (time.perf_counter() - t0)
     finally:
         if os.path.exists(path):
             os.remove(path)
