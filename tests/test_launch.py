@@ -346,6 +346,46 @@ def test_allowed_flags_pass_through(capsys, hybrid, dense):
 
 
 @pytest.mark.parametrize(
+    "user",
+    [
+        [
+            "--kv-transfer-config",
+            '{"kv_connector_extra_config": {"write_workers": 8, "write_backlog_gb": 4.5}}',
+        ],
+        [
+            "--kv-transfer-config.kv_connector_extra_config.write_workers=8",
+            "--kv_transfer_config.kv_connector_extra_config.write_backlog_gb",
+            "4.5",
+        ],
+        [
+            "--kv-transfer-config",
+            '{"kv_connector": "HybridHiddenStatesConnector", "kv_role": "kv_producer", '
+            '"kv_connector_extra_config": {"write_workers": 2}}',
+            "--kv-transfer-config",
+            '{"kv_connector_extra_config": {"write_workers": 8, "write_backlog_gb": 4.5}}',
+        ],
+    ],
+)
+def test_connector_options_merged(capsys, hybrid, tmp_path, user):
+    """Connector options after -- reach the connector, merged into the launcher's config;
+    the flag itself is not passed on (vLLM would take the last one, replacing ours)."""
+    cmd = dry_run(
+        capsys, hybrid, "--hidden-states-path", str(tmp_path), "--", "--port", "8001", *user
+    )
+    assert kv_config(cmd) == {
+        "kv_connector": "HybridHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "write_workers": 8,
+            "write_backlog_gb": 4.5,
+            "shared_storage_path": str(tmp_path),
+        },
+    }
+    assert not any("kv-transfer-config" in a or "kv_transfer_config" in a for a in tail(cmd))
+    assert tail(cmd)[-2:] == ["--port", "8001"]
+
+
+@pytest.mark.parametrize(
     "user, words",
     [
         (["--enable-prefix-caching"], ["--enable-prefix-caching", "prefix caching off"]),
@@ -361,9 +401,30 @@ def test_allowed_flags_pass_through(capsys, hybrid, dense):
         (["--speculative_config", "{}"], ["--speculative-config", "--target-layer-ids"]),
         (["-sc", "{}"], ["-sc", "--target-layer-ids"]),
         (["--speculative-config.method=eagle"], ["--speculative-config", "launcher"]),
-        (["--kv-transfer-config", "{}"], ["--kv-transfer-config", "--hidden-states-path"]),
-        (["--kv_transfer_config={}"], ["--kv-transfer-config", "--hidden-states-path"]),
-        (["--kv-transfer-config.kv_role=kv_both"], ["--kv-transfer-config", "launcher"]),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "ExampleHiddenStatesConnector"}'],
+            ["kv_connector='ExampleHiddenStatesConnector'", "HybridHiddenStatesConnector"],
+        ),
+        (["--kv-transfer-config.kv_role=kv_both"], ["kv_role='kv_both'", "drop kv_role"]),
+        (
+            ["--kv_transfer_config.kv_connector_extra_config.shared_storage_path=/x"],
+            ["shared_storage_path", "--hidden-states-path"],
+        ),
+        (
+            ["--kv-transfer-config", '{"kv_connector_extra_config": {"layer_ids": [1]}}'],
+            ["layer_ids", "--target-layer-ids"],
+        ),
+        (
+            ["--kv-transfer-config.kv_connector_extra_config.write_worker=8"],
+            ["write_worker: Extra inputs are not permitted", "write_workers", "host_buffers"],
+        ),
+        (
+            ["--kv-transfer-config.kv_connector_extra_config.host_buffers=0"],
+            ["host_buffers: Input should be greater than or equal to 1"],
+        ),
+        (["--kv-transfer-config", "{bad"], ["is not JSON", "write_workers"]),
+        (["--kv-transfer-config", "[1]"], ["pass a JSON object"]),
+        (["--kv-transfer-config"], ["--kv-transfer-config needs a value"]),
     ],
 )
 def test_conflicting_flags_refused(capsys, hybrid, user, words):

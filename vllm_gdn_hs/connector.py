@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -49,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.config import HiddenStatesConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,22 +59,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
-
-class HiddenStatesConfig(BaseModel):
-    """``kv_connector_extra_config`` of the connector."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    shared_storage_path: str = "/tmp/hidden_states"
-    layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
-    host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
-    write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
-    validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
-    write_backlog_gb: float = Field(
-        16.0, gt=0, description="host memory of finished requests waiting for their file writes"
-    )
-    allow_custom_save_path: bool = False
 
 
 def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:

@@ -10,7 +10,10 @@ defaults, layer ids and command, with three differences:
   run through the model), and ``--language-model-only`` for multimodal
   checkpoints, unless the user passed those flags after ``--``;
 - the printed command is shell-quoted (``shlex.join``), and bad input or a flag
-  that contradicts extraction fails before vLLM starts, with a message.
+  that contradicts extraction fails before vLLM starts, with a message;
+- a ``--kv-transfer-config`` after ``--`` (a JSON object, or vLLM's dotted form
+  ``--kv-transfer-config.kv_connector_extra_config.write_workers=8``) is merged into the
+  launcher's, to tune the connector; its options are checked before vLLM starts.
 """
 
 from __future__ import annotations
@@ -47,12 +50,47 @@ class FileBackend:
         )
 
     @staticmethod
-    def build_kv_transfer_config(args: argparse.Namespace) -> dict:
+    def build_kv_transfer_config(args: argparse.Namespace, user: dict) -> dict:
+        """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
+        from pydantic import ValidationError
+
+        from vllm_gdn_hs.config import HiddenStatesConfig
+
+        for key, ours in (("kv_connector", CONNECTOR_NAME), ("kv_role", "kv_producer")):
+            if user.get(key, ours) != ours:
+                raise LaunchError(
+                    f"--kv-transfer-config {key}={user[key]!r}: the launcher runs {key} "
+                    f"{ours!r}; drop {key}"
+                )
+        extra = user.get("kv_connector_extra_config") or {}
+        for key, use in (
+            ("shared_storage_path", "--hidden-states-path"),
+            ("layer_ids", "--target-layer-ids"),
+        ):
+            if key in extra:
+                raise LaunchError(
+                    f"--kv-transfer-config kv_connector_extra_config.{key} is set by the "
+                    f"launcher: use {use} instead"
+                )
+        try:
+            HiddenStatesConfig(**extra)
+        except (ValidationError, TypeError) as e:
+            errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
+            why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
+            keys = ", ".join(
+                k
+                for k in HiddenStatesConfig.model_fields
+                if k not in ("shared_storage_path", "layer_ids")
+            )
+            raise LaunchError(
+                f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
+            ) from None
         path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
         return {
+            **user,
             "kv_connector": CONNECTOR_NAME,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": path},
+            "kv_connector_extra_config": {**extra, "shared_storage_path": path},
         }
 
 
@@ -159,18 +197,53 @@ def _bool_flag(args: list[str], name: str) -> bool | None:
     return state
 
 
+def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
+    """The vLLM arguments without ``--kv-transfer-config``, and that flag's settings: a JSON
+    object, or vLLM's dotted keys (``--kv-transfer-config.kv_connector_extra_config.x=1``),
+    merged in order."""
+    rest, user = [], {}
+    args = iter(vllm_args)
+    for arg in args:
+        parsed = _flag(arg)
+        if not parsed or parsed[0] != "--kv-transfer-config":
+            rest.append(arg)
+            continue
+        value = parsed[1] if parsed[1] is not None else next(args, None)
+        if value is None:
+            raise LaunchError("--kv-transfer-config needs a value")
+        keys = arg.partition("=")[0].split(".")[1:]
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            if not keys:
+                raise LaunchError(
+                    f"--kv-transfer-config {value!r} is not JSON: pass an object such as "
+                    '\'{"kv_connector_extra_config": {"write_workers": 8}}\''
+                ) from None
+        if keys:
+            node = user
+            for key in keys[:-1]:
+                if not isinstance(node.get(key), dict):
+                    node[key] = {}
+                node = node[key]
+            node[keys[-1]] = value
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                both = isinstance(v, dict) and isinstance(user.get(key), dict)
+                user[key] = {**user[key], **v} if both else v
+        else:
+            raise LaunchError(f"--kv-transfer-config {value!r}: pass a JSON object")
+    return rest, user
+
+
 def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
     """Refuse user flags that contradict hidden-state extraction."""
-    for names, use in (
-        ({"--speculative-config", "-sc"}, "--target-layer-ids/--include-last-layer"),
-        ({"--kv-transfer-config"}, "--hidden-states-path/--hidden-states-backend"),
-    ):
-        used = _last_value(vllm_args, names)
-        if used:
-            raise LaunchError(
-                f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
-                f"the vLLM arguments and use {use} instead"
-            )
+    used = _last_value(vllm_args, {"--speculative-config", "-sc"})
+    if used:
+        raise LaunchError(
+            f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
+            "the vLLM arguments and use --target-layer-ids/--include-last-layer instead"
+        )
     if _bool_flag(vllm_args, "enable-prefix-caching"):
         raise LaunchError(
             f"--enable-prefix-caching: {CONNECTOR_NAME} needs prefix caching off (a cached "
@@ -255,7 +328,8 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
         _check_model_path(args.model)
         info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
-    check_vllm_args(args.vllm_args, info)
+    vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
+    check_vllm_args(vllm_args, info)
     speculative_config = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -270,9 +344,9 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
         "--speculative_config",
         json.dumps(speculative_config),
         "--kv_transfer_config",
-        json.dumps(backend.build_kv_transfer_config(args)),
-        *extra_vllm_args(args.vllm_args, info),
-        *args.vllm_args,
+        json.dumps(backend.build_kv_transfer_config(args, user_kv)),
+        *extra_vllm_args(vllm_args, info),
+        *vllm_args,
     ]
 
 

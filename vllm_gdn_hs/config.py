@@ -1,0 +1,22 @@
+"""The connector's options (``kv_connector_extra_config``), apart from the connector so that
+the launcher can check them before vLLM starts without importing torch or vLLM."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class HiddenStatesConfig(BaseModel):
+    """``kv_connector_extra_config`` of the connector."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    shared_storage_path: str = "/tmp/hidden_states"
+    layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
+    host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
+    write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
+    validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
+    write_backlog_gb: float = Field(
+        16.0, gt=0, description="host memory of finished requests waiting for their file writes"
+    )
+    allow_custom_save_path: bool = False
