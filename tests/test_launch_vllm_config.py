@@ -88,6 +88,32 @@ def test_user_flags_reach_vllm(dense_model, tmp_path):
     assert cfg.model_config.seed == 7
 
 
+def test_connector_options_reach_the_connector(hybrid_model, tmp_path):
+    from vllm_gdn_hs.connector import config_from
+
+    cfg = _vllm_config(
+        [
+            hybrid_model,
+            "--hidden-states-path",
+            str(tmp_path),
+            "--",
+            "--max-model-len",
+            "1024",
+            "--skip-tokenizer-init",
+            "--kv-transfer-config",
+            '{"kv_connector_extra_config": {"write_workers": 8}}',
+            "--kv-transfer-config.kv_connector_extra_config.write_backlog_gb=2",
+        ]
+    )
+    hs = config_from(cfg)
+    assert (hs.write_workers, hs.write_backlog_gb, hs.shared_storage_path) == (
+        8,
+        2.0,
+        str(tmp_path),
+    )
+    assert cfg.kv_transfer_config.kv_connector == CONNECTOR_NAME
+
+
 def test_out_of_range_ids_fail_in_the_launcher_first(hybrid_model, capsys):
     assert launch.main([hybrid_model, "--dry-run", "--target-layer-ids", "1", "9"]) == 2
     assert "out of range" in capsys.readouterr().err
