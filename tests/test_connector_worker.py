@@ -406,6 +406,23 @@ def test_write_backlog_bounded_and_nothing_lost(storage, caplog, monkeypatch):
     assert leftovers(storage) == []
 
 
+def test_progress_line_without_finished_files(writer, storage, caplog):
+    """A long decode phase finishes no file for minutes; the progress line still comes,
+    from the drain thread, through vLLM's logger at INFO."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    new(writer, storage, a=4)
+    writer.last_log = 0.0  # the last line is long past
+    save(writer, ("a", 0, rows(4)))
+    assert writer.drained(10)
+    lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "0 files (0.00 GB) written" in lines[0] and "1 requests in flight" in lines[0]
+    assert "1 steps; per step" in lines[0]
+    save(writer, ("a", 4, rows(1)))  # within 30 s of that line: no other
+    assert writer.drained(10)
+    assert len([r for r in caplog.records if "requests in flight" in r.getMessage()]) == 1
+
+
 def test_vanished_folder_logged_and_others_written(writer, storage, caplog):
     sub = storage / "sub"
     sub.mkdir()

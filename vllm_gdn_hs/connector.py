@@ -549,6 +549,7 @@ class HiddenStatesWriter:
         finally:
             self.timing["drain_s"] += time.perf_counter() - t0
             slot.free.set()
+        self._log_progress()
 
     def _on_finish(self, fin: FinishedRequest) -> None:
         buf = self.requests.pop(fin.req_id, None)
@@ -616,22 +617,29 @@ class HiddenStatesWriter:
                 self.stats["files" if ok else "failed"] += 1
                 if ok:
                     self.stats["bytes"] += buf.rows[:n].numel() * buf.rows.element_size()
-                now = time.monotonic()
-                if now - self.last_log > 30:
-                    self.last_log = now
-                    logger.info(
-                        "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
-                        "%d writing (%.2f GB), %d requests in flight; %s",
-                        CONNECTOR_NAME,
-                        self.stats["files"],
-                        self.stats["bytes"] / 1e9,
-                        self.stats["failed"],
-                        self.stats["dropped"],
-                        self.pending_writes,
-                        self.backlog_bytes / 1e9,
-                        len(self.requests),
-                        self.timing_summary(),
-                    )
+            self._log_progress()
+
+    def _log_progress(self, every: float = 30.0) -> None:
+        """The progress line, at most every ``every`` s; from the drain thread after each step
+        and from the writers after each file, so a long decode phase is not silent."""
+        with self.stats_lock:
+            now = time.monotonic()
+            if now - self.last_log < every:
+                return
+            self.last_log = now
+            logger.info(
+                "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
+                "%d writing (%.2f GB), %d requests in flight; %s",
+                CONNECTOR_NAME,
+                self.stats["files"],
+                self.stats["bytes"] / 1e9,
+                self.stats["failed"],
+                self.stats["dropped"],
+                self.pending_writes,
+                self.backlog_bytes / 1e9,
+                len(self.requests),
+                self.timing_summary(),
+            )
 
 
 # ---------------------------------------------------------------------------
