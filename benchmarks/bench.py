@@ -79,6 +79,10 @@ WARMUP_PROMPTS = 8
 TOKEN_RANGE = (1000, 150000)  # random prompt ids, clear of special and image/video token ids
 KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# The writer's last progress or shutdown line: files, bytes, its host cost per engine step.
+WRITER_RE = re.compile(
+    r"HybridHiddenStatesConnector: ((?:shut down; |\d+ files ).*per step.*)$", re.M
+)
 # "ValueError: ..." alone or after the engine core's "(EngineCore_DP0 pid=123) " prefix
 ERROR_LINE_RE = re.compile(r"(?:^|\) )([\w.]*(?:Error|Exception): .*)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
@@ -703,6 +707,13 @@ def kv_cache_info(log: str) -> dict:
     )
 
 
+def writer_info(log: str) -> dict:
+    """The writer's last summary line in an engine log (cumulative over the engine's workloads:
+    exact for a group of one workload)."""
+    lines = WRITER_RE.findall(log)
+    return dict(writer_log=lines[-1].strip()) if lines else {}
+
+
 def error_summary(error: str, log: str) -> str:
     """One line: the error, or for a failed vLLM engine core the root cause from its log."""
     last = (error.strip().splitlines() or ["error"])[-1]
@@ -994,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
                     VLLM_PLUGINS=env.get("VLLM_PLUGINS"),
                 ),
                 **(kv_cache_info(log) if variant != "hf" else {}),
+                **(writer_info(log) if variant == "ours" else {}),
             )
             if r.get("error"):
                 r.update(error_summary=error_summary(r["error"], log), log_tail=tail)

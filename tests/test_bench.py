@@ -1,0 +1,52 @@
+"""benchmarks/bench.py's log parsing against the writer's real log lines; CPU only.
+
+Run: python -m pytest tests/test_bench.py -q
+Covers: the writer's progress and shutdown lines, as HiddenStatesWriter logs them through
+vLLM's logger, are found in an engine log and stored in the record (writer_log).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from vllm_gdn_hs.connector import (
+    FinishedRequest,
+    HiddenStatesConfig,
+    HiddenStatesWriter,
+    HybridHiddenStatesConnectorMetadata,
+    NewRequest,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+import bench  # noqa: E402
+
+
+def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    w = HiddenStatesWriter(
+        HiddenStatesConfig(shared_storage_path=str(tmp_path)),
+        max_tokens=8,
+        num_layers=2,
+        hidden=4,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    path = str(tmp_path / "a.safetensors")
+    w.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("a", path, 3)]))
+    w.last_log = 0.0
+    w.save(torch.randn(3, 2, 4).bfloat16(), ["a"], torch.tensor([0, 3]), torch.arange(3))
+    w.on_metadata(
+        HybridHiddenStatesConnectorMetadata(finished_requests=[FinishedRequest("a", [1, 2, 3])])
+    )
+    w.close(timeout=30)
+    log = "\n".join(f"INFO 11-30 [connector.py:1] {r.getMessage()}" for r in caplog.records)
+    info = bench.writer_info(log)
+    assert info["writer_log"].startswith("shut down; 1 files"), log
+    assert "1 steps; per step" in info["writer_log"]
+    progress = "\n".join(line for line in log.splitlines() if "shut down" not in line)
+    assert bench.writer_info(progress)["writer_log"].startswith("0 files (0.00 GB) written")
+    assert bench.writer_info("no writer here") == {}
