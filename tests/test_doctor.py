@@ -38,7 +38,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
-    assert "0.20.1" in lines["vllm"]
+    assert "0.20.1" in lines["vllm"] or "0.26.0" in lines["vllm"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]
@@ -82,8 +82,8 @@ def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsy
     assert run_doctor() == 1
     out = capsys.readouterr().out
     assert "FAIL  vllm" in out
-    assert "supports vllm==0.20.1, found vllm 0.19.0" in out
-    assert "pip install 'vllm==0.20.1'" in out
+    assert "supports vllm 0.20.1 or 0.26.0, found vllm 0.19.0" in out
+    assert "pip install 'vllm==0.26.0'" in out
 
 
 def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ The source patch series in patches/<vllm version>/: every patch applies, in seri
 with no fuzz, to a copy of the installed vLLM's files, and the patched files compile; the
 series lists every patch once, one per runtime patch module in the order they apply; each
 patch has its DEP-3 header, names its runtime patch in Origin and adds no line of this
-plugin; VLLM_VERSION is the vllm pin in pyproject.toml. Skipped (with the reason) where the
-`patch` binary is missing or the installed vLLM is not the series' release.
+plugin; there is one series per supported release, within the vllm requirement in
+pyproject.toml. The installed release's series is applied; the others are checked as text.
+Skipped (with the reason) where the `patch` binary is missing.
 """
 
 from __future__ import annotations
@@ -19,102 +20,106 @@ import shutil
 import subprocess
 
 import pytest
-from packaging.requirements import Requirement
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(REPO, "patches")
 
 
-def _vllm_pin() -> str:
-    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        deps = tomllib.load(f)["project"]["dependencies"]
-    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "vllm"]
-    (spec,) = req.specifier
-    assert spec.operator == "==", f"vllm pin is not exact: {req}"
-    return spec.version
+def _releases() -> list[str]:
+    """The vLLM releases with a series: every patches/<release>/ folder."""
+    return sorted(d for d in os.listdir(PATCHES) if os.path.isdir(os.path.join(PATCHES, d)))
 
 
-VERSION = _vllm_pin()
-SERIES_DIR = os.path.join(PATCHES, VERSION)
+RELEASES = _releases()
 
 
-def _series() -> list[str]:
-    with open(os.path.join(SERIES_DIR, "series")) as f:
+def _series(release: str) -> list[str]:
+    with open(os.path.join(PATCHES, release, "series")) as f:
         return [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
 
 
-SERIES = _series()
-
-
-def _targets(name: str) -> list[str]:
+def _targets(release: str, name: str) -> list[str]:
     """Paths (vllm/...) a patch changes, from its `+++ b/...` lines."""
-    with open(os.path.join(SERIES_DIR, name)) as f:
+    with open(os.path.join(PATCHES, release, name)) as f:
         return [ln[len("+++ b/") :].split("\t")[0].strip() for ln in f if ln.startswith("+++ b/")]
 
 
-def test_vllm_version_is_the_pyproject_pin():
-    with open(os.path.join(SERIES_DIR, "VLLM_VERSION")) as f:
-        assert f.read().strip() == VERSION
+ALL_PATCHES = [(r, name) for r in RELEASES for name in _series(r)]
 
 
-def test_series_lists_every_patch_once_in_order():
-    files = sorted(f for f in os.listdir(SERIES_DIR) if f.endswith(".patch"))
-    assert SERIES == files
-    assert all(re.match(r"\d{4}-[a-z0-9-]+\.patch$", f) for f in SERIES), SERIES
+def test_one_series_per_supported_release():
+    from vllm_gdn_hs.version import supported_releases, supported_vllm
+
+    assert RELEASES == supported_releases()
+    for release in RELEASES:
+        with open(os.path.join(PATCHES, release, "VLLM_VERSION")) as f:
+            assert f.read().strip() == release
+        assert release in supported_vllm()  # within the pyproject requirement
 
 
-def test_series_is_one_twin_per_runtime_patch_in_order():
+@pytest.mark.parametrize("release", RELEASES)
+def test_series_lists_every_patch_once_in_order(release):
+    files = sorted(f for f in os.listdir(os.path.join(PATCHES, release)) if f.endswith(".patch"))
+    assert _series(release) == files
+    assert all(re.match(r"\d{4}-[a-z0-9-]+\.patch$", f) for f in files), files
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_series_is_one_twin_per_runtime_patch_in_order(release):
     # patch_worker_gpu_model_runner -> a patch naming worker, gpu, model and runner,
     # whose Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py.
     from vllm_gdn_hs.patch import PATCHES as RUNTIME_PATCHES
 
-    modules = RUNTIME_PATCHES[VERSION]
-    assert len(SERIES) == len(modules), (SERIES, modules)
-    for index, (name, module) in enumerate(zip(SERIES, modules, strict=True), start=1):
+    series, modules = _series(release), RUNTIME_PATCHES[release]
+    assert len(series) == len(modules), (series, modules)
+    for index, (name, module) in enumerate(zip(series, modules, strict=True), start=1):
         assert name.startswith(f"{index:04d}-"), name
         words = module.removeprefix("patch_").split("_")
         assert all(w in name for w in words), (name, module)
-        with open(os.path.join(SERIES_DIR, name)) as f:
+        with open(os.path.join(PATCHES, release, name)) as f:
             header = f.read().split("\n---\n", 1)[0]
         origin = re.search(r"^Origin: (.*)$", header, re.M)
         assert origin and f"vllm_gdn_hs/patch/{module}.py" in origin.group(1), name
 
 
-@pytest.mark.parametrize("name", SERIES)
-def test_patch_has_dep3_header_and_no_plugin_code(name):
-    with open(os.path.join(SERIES_DIR, name)) as f:
+@pytest.mark.parametrize("release, name", ALL_PATCHES)
+def test_patch_has_dep3_header_and_no_plugin_code(release, name):
+    with open(os.path.join(PATCHES, release, name)) as f:
         text = f.read()
     header = text.split("\n---\n", 1)[0]
     for field in ("Description", "Author", "Origin", "Forwarded", "Applied-Upstream"):
         assert re.search(rf"^{field}: \S", header, re.M), f"{name}: no {field}"
     assert re.search(r"^Last-Update: \d{4}-\d{2}-\d{2}$", header, re.M), name
-    assert _targets(name) and all(t.startswith("vllm/") for t in _targets(name))
+    targets = _targets(release, name)
+    assert targets and all(t.startswith("vllm/") for t in targets)
     added = [ln for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     assert not [ln for ln in added if "vllm_gdn_hs" in ln], f"{name} imports the plugin"
+
+
+INSTALLED = importlib.metadata.version("vllm").split("+")[0]
 
 
 @pytest.fixture(scope="module")
 def vllm_src() -> str:
     if shutil.which("patch") is None:
         pytest.skip("the `patch` binary is missing (Debian: apt-get install patch)")
-    installed = importlib.metadata.version("vllm")
-    if installed.split("+")[0] != VERSION:
-        pytest.skip(f"installed vllm {installed} is not the series' vllm {VERSION}")
+    if INSTALLED not in RELEASES:
+        pytest.skip(f"installed vllm {INSTALLED} has no series in patches/")
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     return os.path.dirname(os.path.dirname(spec.origin))  # site-packages
 
 
+SERIES = _series(INSTALLED) if INSTALLED in RELEASES else []
+SERIES_DIR = os.path.join(PATCHES, INSTALLED)
+
+
 @pytest.mark.parametrize("index", range(len(SERIES)), ids=SERIES)
 def test_series_applies_in_order_and_compiles(index, vllm_src, tmp_path):
+    """The installed release's series, on a copy of the installed vLLM's files."""
     applied = SERIES[: index + 1]
     for name in applied:
-        for target in _targets(name):
+        for target in _targets(INSTALLED, name):
             dst = tmp_path / target
             if not dst.exists():
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +133,7 @@ def test_series_applies_in_order_and_compiles(index, vllm_src, tmp_path):
             text=True,
         )
         assert proc.returncode == 0, f"{name} does not apply:\n{proc.stdout}{proc.stderr}"
-    for target in _targets(SERIES[index]):
+    for target in _targets(INSTALLED, SERIES[index]):
         patched = tmp_path / target
         with open(os.path.join(vllm_src, target)) as f:
             assert patched.read_text() != f.read(), f"{target} unchanged"

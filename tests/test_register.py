@@ -20,7 +20,13 @@ from packaging.version import Version
 
 import vllm_gdn_hs
 from vllm_gdn_hs import patch
-from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, installed_vllm, supported_vllm
+from vllm_gdn_hs.version import (
+    UnsupportedVllmError,
+    check_vllm,
+    installed_vllm,
+    supported_releases,
+    supported_vllm,
+)
 
 try:
     import tomllib
@@ -52,7 +58,7 @@ def test_vllm_plugin_loader_finds_plugin_and_connector(run_python):
     got = json.loads(lines[-1][len("RESULT ") :])
     assert got == {
         "registered": True,
-        "applied": list(patch.PATCHES["0.20.1"]),
+        "applied": list(patch.patches_for()),
         # Registered by module path: the connector module loads only when resolved.
         "lazy": True,
         "cls": "vllm_gdn_hs.connector.HybridHiddenStatesConnector",
@@ -79,7 +85,7 @@ def test_register_is_idempotent():
 
     loader = KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME]
     applied = list(patch._applied)
-    assert applied == list(patch.PATCHES["0.20.1"])
+    assert applied == list(patch.patches_for())
     vllm_gdn_hs.register()
     vllm_gdn_hs.register()
     assert patch._applied == applied
@@ -127,25 +133,31 @@ def _pyproject_vllm_pin() -> Requirement:
 
 def test_supported_vllm_is_the_pyproject_pin():
     pin = _pyproject_vllm_pin()
-    assert str(pin.specifier) == "==0.20.1"
     assert supported_vllm() == pin.specifier
+    assert supported_releases() == ["0.20.1", "0.26.0"]
+    # The requirement admits exactly the releases with runtime patches.
+    published = ["0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1"]
+    published += ["0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1"]
+    assert [v for v in published if v in pin.specifier] == supported_releases()
 
 
 def test_installed_vllm_is_supported():
-    assert check_vllm() == installed_vllm() == Version("0.20.1")
-    assert patch.patches_for() == patch.PATCHES["0.20.1"]
+    installed = installed_vllm()
+    assert check_vllm() == installed and installed.base_version in supported_releases()
+    assert patch.patches_for() == patch.PATCHES[installed.base_version]
     # A local build of a supported release is the same release.
     assert check_vllm(Version("0.20.1+cu130")) == Version("0.20.1+cu130")
+    assert check_vllm(Version("0.26.0")) == Version("0.26.0")
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.20.0", "0.20.2", "0.21.0"])
+@pytest.mark.parametrize("version", ["0.19.0", "0.20.0", "0.20.2", "0.21.0", "0.25.1", "0.27.0"])
 def test_unsupported_vllm_names_supported_versions(version):
     with pytest.raises(UnsupportedVllmError) as e:
         check_vllm(Version(version))
     msg = str(e.value)
     assert f"found vllm {version}" in msg
-    assert "supports vllm==0.20.1" in msg
-    assert "pip install 'vllm==0.20.1'" in msg
+    assert "supports vllm 0.20.1 or 0.26.0" in msg
+    assert "pip install 'vllm==0.26.0'" in msg
 
 
 def test_unsupported_vllm_has_no_patches():
@@ -159,16 +171,16 @@ def test_every_patch_module_has_a_test_module():
             assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), (version, name)
 
 
-_SERIES = os.path.join(REPO, "patches", "0.20.1")
-
-
-@pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
-def test_every_runtime_patch_has_a_source_twin(name):
+@pytest.mark.parametrize(
+    "release, name", [(r, n) for r, names in patch.PATCHES.items() for n in names]
+)
+def test_every_runtime_patch_has_a_source_twin(release, name):
     # patch_worker_gpu_model_runner -> a file naming worker, gpu, model and runner
+    series = os.path.join(REPO, "patches", release)
     words = name.removeprefix("patch_").split("_")
-    files = [f for f in os.listdir(_SERIES) if f.endswith(".patch")]
+    files = [f for f in os.listdir(series) if f.endswith(".patch")]
     twins = [f for f in files if all(w in f.lower() for w in words)]
-    assert len(twins) == 1, f"{name}: no single twin in {_SERIES} among {files}"
+    assert len(twins) == 1, f"{name}: no single twin in {series} among {files}"
 
 
 _LOG = """

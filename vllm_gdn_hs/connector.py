@@ -101,9 +101,11 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     import vllm.envs as envs
 
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
+    # vLLM 0.26.0 decides the runner in VllmConfig (the runner patch keeps it on V1);
+    # vLLM 0.20.1 only by the environment variable.
+    if getattr(vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER):
         raise ValueError(
-            f"{CONNECTOR_NAME} works with vLLM's default GPU model runner: unset "
+            f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner: unset "
             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)"
         )
     if vllm_config.cache_config.enable_prefix_caching:

@@ -37,16 +37,27 @@ def installed_vllm() -> Version | None:
         return None
 
 
+def supported_releases() -> list[str]:
+    """The vLLM releases the plugin has runtime patches for (each within the requirement)."""
+    from vllm_gdn_hs.patch import PATCHES
+
+    return sorted(PATCHES, key=Version)
+
+
 def check_vllm(version: Version | None = None) -> Version:
     """Return the installed vLLM version, or raise naming the supported ones."""
     version = version if version is not None else installed_vllm()
-    spec = supported_vllm()
+    releases = supported_releases()
+    names = " or ".join(releases)
     if version is None:
-        raise UnsupportedVllmError(f"vLLM is not installed; {DIST_NAME} needs vllm{spec}")
+        raise UnsupportedVllmError(f"vLLM is not installed; {DIST_NAME} needs vllm {names}")
     # Compare the release only: local builds (0.20.1+cu130) are the same release.
-    if Version(version.base_version) not in spec:
+    if (
+        version.base_version not in releases
+        or Version(version.base_version) not in supported_vllm()
+    ):
         raise UnsupportedVllmError(
-            f"{DIST_NAME} supports vllm{spec}, found vllm {version}. "
-            f"Install a supported release: pip install 'vllm{spec}'"
+            f"{DIST_NAME} supports vllm {names}, found vllm {version}. "
+            f"Install a supported release: pip install 'vllm=={releases[-1]}'"
         )
     return version

@@ -14,12 +14,13 @@ from vllm_gdn_hs.version import installed_vllm
 
 # vLLM release -> patch modules it needs, in the order they apply.
 PATCHES: dict[str, tuple[str, ...]] = {
-    "0.20.1": (
+    version: (
         "patch_config_vllm",
         "patch_config_kv_transfer",
         "patch_engine_arg_utils",
         "patch_worker_gpu_model_runner",
-    ),
+    )
+    for version in ("0.20.1", "0.26.0")
 }
 
 

@@ -12,7 +12,7 @@ How: wraps ``KVTransferConfig.compute_hash``; for this connector the hash also
 covers the connector name and its layer ids.
 
 Upstream: not needed where the speculative config carries the layers. Remove
-with the config patch. Source twin: ``patches/0.20.1/0002-*.patch``.
+with the config patch. Source twin: ``patches/<vllm version>/0002-*.patch``.
 """
 
 from __future__ import annotations

@@ -24,9 +24,14 @@ set to False. Every other case goes through vLLM's own rules unchanged. After
 the original, the connector's startup checks run (layer ids, prefix caching,
 pipeline parallelism), so a bad configuration fails before any model loads.
 
-Upstream: later vLLM decides HMA per connector (``supports_hma(connector_cls)``);
-a first-class "extract hidden states without speculation" mode does not exist
-upstream. Remove when both do. Source twin: ``patches/0.20.1/0001-*.patch``.
+vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
+so there the HMA part is left out. It also picks Model Runner V2 by default for dense
+models, whose forward pass the runner patch does not reach: there the patch adds this
+connector to ``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM keeps the
+V1 runner and says why (and refuses ``VLLM_USE_V2_MODEL_RUNNER=1`` in its own words).
+
+Upstream: a first-class "extract hidden states without speculation" mode does not exist
+(0.26.0). Remove when it does. Source twins: ``patches/<vllm version>/0001-*.patch``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ from vllm_gdn_hs.patch import Patch
 logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
+# vLLM 0.26.0 and later: HMA per connector, and Model Runner V2 as a default.
+_orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+
+
+def _vllm_decides_hma_per_connector() -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return hasattr(KVConnectorFactory, "supports_hma_config")
 
 
 def _connector_supports_hma(vllm_config: VllmConfig) -> bool:
@@ -86,6 +99,7 @@ def __post_init__(self: VllmConfig) -> None:
     if (
         kv is not None
         and kv.kv_connector is not None
+        and not _vllm_decides_hma_per_connector()
         and self.scheduler_config.disable_hybrid_kv_cache_manager is None
         and current_platform.support_hybrid_kv_cache()
         and (self.model_config is None or self.model_config.attention_chunk_size is None)
@@ -99,4 +113,20 @@ def __post_init__(self: VllmConfig) -> None:
         validate_vllm_config(self)  # fail now, not after the model is loaded
 
 
-PATCH = Patch(VllmConfig, {"__post_init__": __post_init__})
+def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
+    unsupported = _orig_v2_unsupported(self)
+    kv = self.kv_transfer_config
+    if kv is not None and kv.kv_connector == CONNECTOR_NAME:
+        unsupported.append(CONNECTOR_NAME)
+    return unsupported
+
+
+PATCH = Patch(
+    VllmConfig,
+    {"__post_init__": __post_init__}
+    | (
+        {"_get_v2_model_runner_unsupported_features": _get_v2_model_runner_unsupported_features}
+        if _orig_v2_unsupported is not None
+        else {}
+    ),
+)

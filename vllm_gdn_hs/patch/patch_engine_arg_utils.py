@@ -13,7 +13,7 @@ explicit choice is kept (and True is refused by the connector).
 
 Upstream: none; vLLM's own hidden-states connector has the same limitation.
 Remove when the connector handles cached prefixes. Source twin:
-``patches/0.20.1/0003-*.patch``.
+``patches/<vllm version>/0003-*.patch``.
 """
 
 from __future__ import annotations

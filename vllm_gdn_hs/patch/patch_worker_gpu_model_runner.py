@@ -24,7 +24,7 @@ How, only when the connector is configured:
   them to pinned host memory on a side stream; nothing here waits on the GPU.
 
 Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
-without speculative decoding. Source twin: ``patches/0.20.1/0004-*.patch``.
+without speculative decoding. Source twin: ``patches/<vllm version>/0004-*.patch``.
 """
 
 from __future__ import annotations
