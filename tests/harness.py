@@ -22,6 +22,39 @@ from vllm.platforms.cpu import CpuPlatform
 vllm.platforms.current_platform = CpuPlatform()
 
 import torch  # noqa: E402
+
+
+def _stub_missing_custom_ops() -> None:
+    """vLLM 0.26.0's wheel ships its kernels only for CUDA (they need libcuda to load), so
+    on a machine without a GPU driver ``torch.ops._C.<op>`` does not resolve and layers
+    that look an op up in ``__init__`` cannot even be built (on the meta device, as this
+    harness builds models). Resolve those names to a stub that raises if it is ever
+    called: building a layer needs the name only, never the kernel."""
+    import torch._ops as ops
+
+    names = {"silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul", "mul_and_silu", "gelu_new"}
+    names |= {"gelu_fast", "gelu_quick", "rms_norm", "fused_add_rms_norm", "rotary_embedding"}
+    original = ops._OpNamespace.__getattr__
+
+    def getattr_(self, name):
+        try:
+            return original(self, name)
+        except AttributeError:
+            if self.name != "_C" or name not in names:
+                raise
+
+            def stub(*args, **kwargs):
+                raise RuntimeError(f"torch.ops._C.{name} has no CPU kernel (test harness)")
+
+            return stub
+
+    ops._OpNamespace.__getattr__ = getattr_
+
+
+try:
+    torch.ops._C.silu_and_mul  # noqa: B018  (present on vLLM 0.20.1's wheel)
+except AttributeError:
+    _stub_missing_custom_ops()
 from vllm.config import VllmConfig, get_layers_from_vllm_config, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
@@ -165,11 +198,18 @@ def scheduler(vllm_config: VllmConfig, kv_cache_config_=None):
 
     kcc = kv_cache_config_ or kv_cache_config(vllm_config)
     vllm_config.cache_config.num_gpu_blocks = kcc.num_blocks
+    try:  # vLLM 0.26.0: the scheduler's block size follows the groups, as EngineCore does it
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kcc, vllm_config)
+        sizes = dict(block_size=block_size, hash_block_size=hash_block_size)
+    except ImportError:
+        sizes = dict(block_size=vllm_config.cache_config.block_size)
     with set_current_vllm_config(vllm_config):
         return Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kcc,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=vllm_config.cache_config.block_size,
             log_stats=False,
+            **sizes,
         )

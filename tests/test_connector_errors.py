@@ -14,6 +14,7 @@ import os
 
 import harness
 import pytest
+from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from vllm_gdn_hs.connector import HiddenStatesConfig, HybridHiddenStatesConnector, config_from
@@ -172,7 +173,24 @@ def test_extra_config_defaults(hybrid_model):
     assert config_from(cfg) == HiddenStatesConfig(shared_storage_path="/tmp/hidden_states")
 
 
+# vLLM 0.26.0 chooses the model runner in VllmConfig, and refuses V2 for our connector itself.
+VLLM_CHOOSES_RUNNER = hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features")
+
+
 def test_v2_model_runner(hybrid_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     msg = config_error(hybrid_model, storage=str(tmp_path))
-    assert "unset VLLM_USE_V2_MODEL_RUNNER" in msg
+    if VLLM_CHOOSES_RUNNER:
+        assert "Model Runner V2" in msg  # (on the CPU harness it first asks for Triton)
+    else:
+        assert "unset VLLM_USE_V2_MODEL_RUNNER" in msg
+
+
+@pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="vLLM 0.20.1 runs V1 unless told")
+def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
+    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); the runner
+    patch reaches only V1, so with our connector vLLM must keep V1."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    ours = harness.engine_config(dense_model, storage=str(tmp_path))
+    assert ours.use_v2_model_runner is False
+    assert "HybridHiddenStatesConnector" in ours._get_v2_model_runner_unsupported_features()
