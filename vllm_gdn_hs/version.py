@@ -1,7 +1,9 @@
 """Which vLLM is installed, and whether this plugin supports it.
 
-The supported releases are written once, as the ``vllm`` requirement in
-``pyproject.toml``; this module reads them back from the package metadata.
+The supported releases are those with runtime patches (``vllm_gdn_hs.patch.PATCHES``);
+the ``vllm`` requirement in ``pyproject.toml`` admits exactly them among published releases
+(``tests/test_register.py`` checks both), and this module reads it back from the package
+metadata.
 """
 
 from __future__ import annotations
