@@ -423,6 +423,25 @@ def test_progress_line_without_finished_files(writer, storage, caplog):
     assert len([r for r in caplog.records if "requests in flight" in r.getMessage()]) == 1
 
 
+def test_without_synchronization_lock(storage):
+    """use_synchronization_lock off (vLLM's upstream option, for offline runs): the file is
+    written as always, and no .lock file is made or left."""
+    w = make_writer(storage, use_synchronization_lock=False)
+    x = rows(3)
+    new(w, storage, a=3, b=3)
+    assert lock_state(path_of(storage, "a")) == "absent"
+    save(w, ("a", 0, x), ("b", 0, rows(3)))
+    finish(w, a=[1, 2, 3], b=None)
+    w.close(timeout=30)
+    assert torch.equal(load_file(path_of(storage, "a"))["hidden_states"], x)
+    assert sorted(os.listdir(storage)) == ["a.safetensors"]
+
+
+def test_upstream_option_names_accepted():
+    cfg = HiddenStatesConfig(num_writer_threads=8, use_synchronization_lock=True)
+    assert cfg.write_workers == 8
+
+
 def test_vanished_folder_logged_and_others_written(writer, storage, caplog):
     sub = storage / "sub"
     sub.mkdir()

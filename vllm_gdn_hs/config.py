@@ -3,7 +3,7 @@ the launcher can check them before vLLM starts without importing torch or vLLM."
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 
 class HiddenStatesConfig(BaseModel):
@@ -14,9 +14,19 @@ class HiddenStatesConfig(BaseModel):
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
     host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
-    write_workers: int = Field(4, ge=1, le=64, description="threads writing files")
+    write_workers: int = Field(
+        4,
+        ge=1,
+        le=64,
+        # vLLM's ExampleHiddenStatesConnector (0.22+) calls it num_writer_threads.
+        validation_alias=AliasChoices("write_workers", "num_writer_threads"),
+        description="threads writing files",
+    )
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"
     )
     allow_custom_save_path: bool = False
+    # As vLLM's ExampleHiddenStatesConnector: off only for offline runs whose files are read
+    # after the server has finished (no <file>.lock then; speculators' online reader needs it).
+    use_synchronization_lock: bool = True

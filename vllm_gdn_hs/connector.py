@@ -189,6 +189,7 @@ class _RequestBuffer:
         hidden: int,
         dtype: torch.dtype,
         flush_rows: int = _PENDING_ROWS,
+        lock: bool = True,
     ):
         self.req = req
         self.flush_rows = flush_rows
@@ -200,7 +201,7 @@ class _RequestBuffer:
             self._resize(max(req.num_prompt_tokens, req.num_rows))
         except RuntimeError:  # no address space for the reservation (strict overcommit)
             self._resize(req.num_prompt_tokens)  # outputs' rows then grow the buffer
-        self.lock_fd = _take_lock(req.path + ".lock")
+        self.lock_fd = _take_lock(req.path + ".lock") if lock else None
 
     def _resize(self, cap: int) -> None:
         self.rows, self.norms = (_grow(t, cap) for t in (self.rows, self.norms))
@@ -290,7 +291,9 @@ def _take_lock(lock_path: str) -> int:
     return fd
 
 
-def _release_lock(fd: int, lock_path: str, remove: bool) -> None:
+def _release_lock(fd: int | None, lock_path: str, remove: bool) -> None:
+    if fd is None:  # use_synchronization_lock off: no lock file was made
+        return
     if remove:
         try:
             os.remove(lock_path)
@@ -419,6 +422,7 @@ class HiddenStatesWriter:
                     self.hidden,
                     self.dtype,
                     flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
+                    lock=self.cfg.use_synchronization_lock,
                 )
                 self.created += 1
             except OSError as e:  # never stop the engine for one request's file
