@@ -622,7 +622,7 @@ class HiddenStatesWriter:
                 self.backlog.notify_all()
                 self.stats["files" if ok else "failed"] += 1
                 if ok:
-                    self.stats["bytes"] += buf.rows[:n].numel() * buf.rows.element_size()
+                    self.stats["bytes"] += nbytes
             self._log_progress()
 
     def _log_progress(self, every: float = 30.0) -> None:

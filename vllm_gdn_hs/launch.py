@@ -37,6 +37,13 @@ class LaunchError(ValueError):
     """Bad launcher input; the message tells the user what to change."""
 
 
+# Connector options the launcher sets from its own flags.
+LAUNCHER_OPTIONS = {
+    "shared_storage_path": "--hidden-states-path",
+    "layer_ids": "--target-layer-ids",
+}
+
+
 class FileBackend:
     """One safetensors file per request under ``--hidden-states-path``."""
 
@@ -63,10 +70,7 @@ class FileBackend:
                     f"{ours!r}; drop {key}"
                 )
         extra = user.get("kv_connector_extra_config") or {}
-        for key, use in (
-            ("shared_storage_path", "--hidden-states-path"),
-            ("layer_ids", "--target-layer-ids"),
-        ):
+        for key, use in LAUNCHER_OPTIONS.items():
             if key in extra:
                 raise LaunchError(
                     f"--kv-transfer-config kv_connector_extra_config.{key} is set by the "
@@ -78,9 +82,7 @@ class FileBackend:
             errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
             why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
             keys = ", ".join(
-                k
-                for k in HiddenStatesConfig.model_fields
-                if k not in ("shared_storage_path", "layer_ids")
+                k for k in HiddenStatesConfig.model_fields if k not in LAUNCHER_OPTIONS
             )
             raise LaunchError(
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
