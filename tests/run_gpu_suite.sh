@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one go, for a CUDA machine where vLLM is unpacked under
-# /tmp/site (an offline GPU machine: unpack vLLM's wheels there). Installs this checkout
-# into /tmp/site (vLLM finds plugins only by entry point), then runs the GPU tests
+# ${SITE:-/tmp/site} (an offline GPU machine: unpack vLLM's wheels there; one folder per
+# vLLM release, e.g. SITE=/tmp/site26 for 0.26.0). Installs this checkout there
+# (vLLM finds plugins only by entry point), then runs the GPU tests
 # and the demo, writing logs and JSON figures to ${OUT:-./gpu-out}.
 #   bash tests/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+SITE="${SITE:-/tmp/site}"
+export PYTHONPATH=$SITE PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 # INSTALL=0 skips the install, for several suites run at once on one machine (one per GPU
 # via CUDA_VISIBLE_DEVICES, each with its own OUT) after one install.
 if [ "${INSTALL:-1}" = 1 ]; then
-    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target /tmp/site . \
+    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-index --target "$SITE" . \
         2>&1 | grep -v WARNING
     if ls .whl/speculators-*.whl >/dev/null 2>&1; then
         python3 -m zipfile -e .whl/speculators-*.whl /tmp/speculators-site
@@ -25,7 +27,7 @@ fi
 TESTS=("$@")
 [ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/test_gpu_extract.py tests/test_gpu_launch.py tests/test_gpu_tp.py)
 VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json" \
-    PYTHONPATH=/tmp/site:tests timeout "${SUITE_TIMEOUT:-480}" python3 -m pytest --noconftest -m gpu -v -s \
+    PYTHONPATH=$SITE:tests timeout "${SUITE_TIMEOUT:-480}" python3 -m pytest --noconftest -m gpu -v -s \
     -p no:cacheprovider -p gpu_report \
     "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
 echo "pytest exit $?" >> "$OUT/env.txt"
