@@ -163,7 +163,9 @@ def note(r: dict) -> str:
         parts.append(f"run {r['run']}")
     if r.get("error"):
         err = r.get("error_summary") or (r["error"].strip().splitlines() or ["error"])[-1]
-        parts.append(err[:160] if err.startswith("skipped") else "failed: " + err[:160])
+        # skipped or cut off by --budget/--timeout is time, not a fault: say so without "failed"
+        cut = err.startswith(("skipped", "timed out"))
+        parts.append(err[:160] if cut else "failed: " + err[:160])
     elif r["variant"] == "hf" and not r.get("fla_available"):
         parts.append("no fla: reference GDN kernels")
     return "; ".join(parts).replace("|", "/")

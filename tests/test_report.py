@@ -37,6 +37,19 @@ def test_plain_of_the_same_run(records):
     assert report.plain_for(old, records)["run"] == "run8"
 
 
+def test_versions_are_paired_and_cut_runs_are_not_faults(records):
+    # Ours on 0.26.0 divides by plain 0.26.0 of its own run, never by plain 0.20.1.
+    ours26 = [r for r in records if r["variant"] == "ours" and r["versions"]["vllm"] == "0.26.0"]
+    assert ours26
+    for r in ours26:
+        plain = report.plain_for(r, records)
+        assert plain["versions"]["vllm"] == "0.26.0" and plain["run"] == r["run"]
+    # A variant the --budget cut off is reported as cut, a crash as failed.
+    cut = next(r for r in ours26 if r.get("error"))
+    assert report.note(cut).endswith("timed out after 210 s (--timeout/--budget)")
+    assert "failed: Boom" in report.note({**cut, "error": "Boom", "error_summary": None})
+
+
 def test_generated_files_are_current(records):
     rows = report.select(records)
     with open(os.path.join(REPO, "README.md")) as f:
