@@ -9,6 +9,7 @@ Set VLLM_GDN_HS_LAUNCH_RESULTS=/path.json to keep the figures.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,10 +47,9 @@ def _post(url: str, body: dict) -> dict:
         return json.load(r)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    model = build_tiny_hybrid(str(root / "model"))
+@contextlib.contextmanager
+def _serve(root, model: str, *extra: str):
+    """`vllm-gdn-hs launch` in the background until /health answers; stopped on exit."""
     storage = root / "hs"
     port = _free_port()
     cmd = [
@@ -75,6 +75,7 @@ def server(tmp_path_factory):
         "--skip-tokenizer-init",
         "--additional-config",
         '{"gdn_prefill_backend": "triton"}',
+        *extra,
     ]
     log_path = root / "server.log"
     log = open(log_path, "w")
@@ -92,17 +93,34 @@ def server(tmp_path_factory):
                 proc.kill()
                 pytest.fail(f"server not healthy in 300 s:\n{log_path.read_text()[-4000:]}")
             time.sleep(1)
-    text = log_path.read_text()
-    RESULTS["printed_command"] = next(
-        (line for line in text.splitlines() if "vllm.entrypoints.cli.main serve" in line), None
-    )
-    yield {"url": url, "model": model, "storage": storage, "log": log_path}
-    proc.terminate()
     try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+        yield {"url": url, "model": model, "storage": storage, "log": log_path}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_hybrid(str(tmp_path_factory.mktemp("model") / "tiny-qwen3.5-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    with _serve(tmp_path_factory.mktemp("launch"), tiny_model) as srv:
+        text = srv["log"].read_text()
+        RESULTS["printed_command"] = next(
+            (line for line in text.splitlines() if "vllm.entrypoints.cli.main serve" in line), None
+        )
+        yield srv
+    _save_results()
+
+
+def _save_results() -> None:
     out = os.environ.get("VLLM_GDN_HS_LAUNCH_RESULTS")
     if out:
         with open(out, "w") as f:
@@ -110,8 +128,8 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(server):
-    return load_hf_model(server["model"])
+def hf(tiny_model):
+    return load_hf_model(tiny_model)
 
 
 def _check(hf, prompt, path, name):

@@ -1,4 +1,5 @@
-"""GPU, two GPUs: tensor parallelism writes the same files as one GPU (rank 0 writes).
+"""GPU, two GPUs: tensor parallelism writes the same files as one GPU (rank 0 writes), and
+data parallelism behind `vllm-gdn-hs launch` writes every request's file from either engine.
 
 Asserted: one complete file per request and no temp file (only rank 0 writes), the
 same token ids as TP=1, and TP=2 within the bar of HF transformers like TP=1.
@@ -9,12 +10,16 @@ round differently. A wrong or shifted row would differ by ~1.
 
 Run on the two-GPU machine with the plugin installed:
     pytest -m gpu tests/test_gpu_tp.py -v -s
+The data-parallel test also keeps its figures in VLLM_GDN_HS_LAUNCH_RESULTS.
 Skipped with fewer than two visible GPUs.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -30,6 +35,8 @@ from test_gpu_extract import (  # noqa: F401
     reference,
     save_results,
 )
+from test_gpu_launch import RESULTS as LAUNCH_RESULTS
+from test_gpu_launch import _check, _post, _save_results, _serve, hf, tiny_model  # noqa: F401
 
 from vllm_gdn_hs.reader import load_hidden_states
 from vllm_gdn_hs.reference import relative_errors
@@ -83,3 +90,41 @@ def test_tp2_matches_tp1(models, reference, tmp_path):  # noqa: F811 (fixtures)
         f"{RESULTS['tp2_vs_tp1']['max_rel_err_vs_hf_by_layer']}"
     )
     assert max(vs_hf[1]) <= BAR and max(vs_hf[2]) <= BAR, vs_hf
+
+
+def test_data_parallel(tmp_path, tiny_model, hf):  # noqa: F811 (fixtures)
+    """`--data-parallel-size 2`: two engines, one per GPU, each with its own connector and
+    writer, behind one API server. Concurrent requests reach both; every file is complete,
+    in the one folder, and matches HF."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(0, 1000) for _ in range(rng.randrange(1, 800))] for _ in range(24)]
+    with _serve(tmp_path, tiny_model, "--data-parallel-size", "2") as srv:
+
+        def ask(prompt):
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": 1}
+            return _post(srv["url"] + "/v1/completions", body)["kv_transfer_params"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            paths = [p["hidden_states_path"] for p in pool.map(ask, prompts)]
+        assert len(set(paths)) == len(prompts), "two requests got the same file"
+        worst = max(
+            _check(hf, p, path, f"dp request {i}")
+            for i, (p, path) in enumerate(zip(prompts, paths, strict=True))
+        )
+        names = os.listdir(srv["storage"])
+        assert sorted(n for n in names if n.endswith(".safetensors")) == sorted(
+            os.path.basename(p) for p in paths
+        ), names
+        assert not [n for n in names if ".tmp-" in n], names
+    # Each engine core logs its writer's shutdown line under its own DP prefix.
+    log = srv["log"].read_text()
+    ranks = sorted(
+        set(re.findall(r"\((EngineCore_DP\d)[^)]*\).*HybridHiddenStatesConnector: shut down", log))
+    )
+    LAUNCH_RESULTS["data_parallel"] = {
+        "files": len(prompts),
+        "max_rel_err": round(worst, 4),
+        "writers": ranks,
+    }
+    _save_results()
+    print(f"\ndata parallel 2: {len(prompts)} files, max rel err {worst:.4f}; writers {ranks}")
