@@ -1,4 +1,4 @@
-"""The ``vllm-gdn-hs`` command: doctor, launch, demo."""
+"""The ``vllm-gdn-hs`` command: doctor, launch, check, demo."""
 
 from __future__ import annotations
 
@@ -26,6 +26,17 @@ def main(argv: list[str] | None = None) -> int:
         help="start vllm serve for hidden-state extraction "
         "(drop-in for speculators' launch_vllm.py)",
     )
+    chk = sub.add_parser(
+        "check",
+        help="after or during a run: which hidden-state files are complete, being written, "
+        "lost or broken (exit 1 if any are lost or broken)",
+    )
+    chk.add_argument("dir", help="the --hidden-states-path folder")
+    chk.add_argument(
+        "--rows", action="store_true", help="also load every row: NaN/Inf or all-zero (slower)"
+    )
+    chk.add_argument("--expect", type=int, help="the number of requests sent: report missing")
+    chk.add_argument("--list", metavar="FILE", help="write problem paths, with reasons, to FILE")
     demo = sub.add_parser(
         "demo",
         help="extract hidden states from a tiny hybrid model on the "
@@ -37,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_gdn_hs.doctor import run_doctor
 
         return run_doctor(args.model, args.hidden_states_path)
+    if args.command == "check":
+        from vllm_gdn_hs.check import run_check
+
+        return run_check(args.dir, args.rows, args.expect, args.list)
     from vllm_gdn_hs.demo import run_demo
 
     return run_demo(args.workdir)

@@ -1,0 +1,111 @@
+"""``vllm-gdn-hs check``: files written by the connector's own writer functions and lock
+protocol, then damaged the ways a long run can damage them. CPU only.
+
+Run: python -m pytest tests/test_check.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from vllm_gdn_hs.check import scan
+from vllm_gdn_hs.cli import main
+from vllm_gdn_hs.connector import _release_lock, _take_lock, write_file
+
+L, H = 4, 64
+
+
+def _write(folder, name, tokens=5, layers=L, rows=None, lock=True):
+    """A file as the writer leaves it: lock taken, file written atomically, lock released
+    and left for the reader."""
+    path = os.path.join(folder, f"{name}.safetensors")
+    fd = _take_lock(path + ".lock") if lock else None
+    hs = rows if rows is not None else torch.randn(tokens, layers, H).to(torch.bfloat16)
+    write_file(path, hs, torch.arange(hs.shape[0], dtype=torch.int64))
+    _release_lock(fd, path + ".lock", remove=False)
+    return path
+
+
+def test_a_sound_folder(tmp_path, capsys):
+    _write(tmp_path, "a")
+    _write(tmp_path, "b", tokens=7)
+    os.remove(_write(tmp_path, "c", tokens=3) + ".lock")  # read by speculators: lock gone
+    os.makedirs(tmp_path / "sub")
+    _write(tmp_path / "sub", "d")
+    assert main(["check", str(tmp_path), "--rows"]) == 0
+    out = capsys.readouterr().out
+    assert "4 complete files, 20 tokens" in out and f"4 x [T, {L}, {H}] BF16" in out, out
+    assert "3 of them still have their .lock (not yet read)" in out, out
+    assert main(["check", str(tmp_path), "--expect", "5"]) == 1
+    assert "expected 5 files: 1 missing" in capsys.readouterr().out
+
+
+def test_damage_is_found_and_listed(tmp_path, capsys):
+    good = _write(tmp_path, "good")
+    trunc = _write(tmp_path, "truncated")
+    with open(trunc, "r+b") as f:  # a full disk or a killed copy: the tail is missing
+        f.truncate(os.path.getsize(trunc) - 10)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    nan_rows = torch.randn(5, L, H).to(torch.bfloat16)
+    nan_rows[2, 1, 7] = float("nan")
+    nan = _write(tmp_path, "nan", rows=nan_rows)
+    zero_rows = torch.randn(5, L, H).to(torch.bfloat16)
+    zero_rows[4, 3] = 0
+    zero = _write(tmp_path, "zero", rows=zero_rows)
+    odd = _write(tmp_path, "odd", layers=L - 1)
+    _write(tmp_path, "more")
+    # The writer died after taking its lock: a lock nobody holds and no file.
+    lost = str(tmp_path / "lost.safetensors")
+    os.close(os.open(lost + ".lock", os.O_CREAT | os.O_RDWR))
+    # A live writer holds its lock and has no file yet: not a problem.
+    live = str(tmp_path / "live.safetensors")
+    live_fd = _take_lock(live + ".lock")
+    # Temp files: one of a process that is gone, one of this (live) process.
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dead_tmp = tmp_path / f"x.safetensors.tmp-{gone}-1"
+    dead_tmp.write_bytes(b"half")
+    (tmp_path / f"y.safetensors.tmp-{os.getpid()}-1").write_bytes(b"in progress")
+    try:
+        listing = tmp_path / "bad.txt"
+        assert main(["check", str(tmp_path), "--list", str(listing)]) == 1
+        out = capsys.readouterr().out
+        assert "1 being written" in out, out
+        listed = dict(line.split("\t") for line in listing.read_text().splitlines())
+        assert set(listed) == {
+            trunc,
+            str(tmp_path / "junk.safetensors"),
+            odd,
+            lost + ".lock",
+            str(dead_tmp),
+        }, listed
+        assert listed[trunc].startswith("broken: truncated")
+        assert listed[odd].startswith(f"layout {L - 1} layers x {H} BF16, the folder's others")
+        assert listed[lost + ".lock"].startswith("lost")
+        assert good not in listed and nan not in listed  # header-only by default
+        # --rows loads the rows: the connector's own check finds NaN and zero rows.
+        problems = scan(str(tmp_path), rows=True)["problems"]
+        flat = {p: r for r, paths in problems.items() for p in paths}
+        assert flat[nan] == "broken: non-finite values at token positions [2]"
+        assert flat[zero] == "broken: all-zero rows at token positions [4]"
+        assert good not in flat
+    finally:
+        _release_lock(live_fd, live + ".lock", remove=True)
+
+
+def test_not_a_folder(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_empty_folder(tmp_path, capsys):
+    assert main(["check", str(tmp_path)]) == 0
+    assert "0 complete files" in capsys.readouterr().out

@@ -1,0 +1,183 @@
+"""``vllm-gdn-hs check DIR``: after (or during) a run, which hidden-state files are sound.
+
+A run of millions of requests should lose nothing silently. This walks the folder and sorts
+every request into: complete, being written (a live writer holds ``<file>.lock``), lost (a
+lock nobody holds and no file: the writer died), or broken (truncated, not the speculators
+layout, a different layer set than the rest of the folder). Temp files of killed writers are
+listed too. Only the safetensors header of each file is read (no torch), unless ``--rows``:
+then every row is loaded and put through the connector's own NaN/Inf and all-zero check.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+import sys
+import time
+from collections import Counter, defaultdict
+
+SUFFIX = ".safetensors"
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def read_header(path: str) -> dict:
+    """The safetensors header of ``path``; ValueError naming what is wrong with the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"truncated: {size} bytes, no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"truncated or not safetensors: header of {n} bytes in {size}")
+        try:
+            meta = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError("not safetensors: header is not JSON") from None
+    tensors = {k: v for k, v in meta.items() if k != "__metadata__"}
+    end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"truncated: {size} bytes, the header says {8 + n + end}")
+    return tensors
+
+
+def layout(tensors: dict) -> tuple[int, int, int, str]:
+    """(tokens, layers, hidden, dtype) of a speculators file; ValueError if it is not one."""
+    hs, ids = tensors.get("hidden_states"), tensors.get("token_ids")
+    if hs is None or ids is None:
+        raise ValueError(f"not a hidden-states file: tensors {sorted(tensors)}")
+    if len(hs["shape"]) != 3 or hs["shape"][0] == 0:
+        raise ValueError(f"hidden_states shape {hs['shape']}, not [tokens, layers, hidden]")
+    t, layers, hidden = hs["shape"]
+    if ids["dtype"] != "I64" or ids["shape"] != [t]:
+        raise ValueError(f"token_ids {ids['dtype']} {ids['shape']} for {t} rows (want I64 [{t}])")
+    return t, layers, hidden, hs["dtype"]
+
+
+def lock_held(lock_path: str) -> bool:
+    """Whether a writer holds ``lock_path``. Probes with a shared lock, released at once: a
+    writer taking its exclusive lock meanwhile waits microseconds, it never fails."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
+    """Sort every request under ``root``; returns counts, totals and the problem paths."""
+    files, locks, temps = set(), set(), []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(SUFFIX):
+                files.add(path)
+            elif name.endswith(SUFFIX + ".lock"):
+                locks.add(path[: -len(".lock")])
+            elif SUFFIX + ".tmp-" in name:
+                temps.append(path)
+    out = {
+        "complete": 0,
+        "unread": 0,
+        "being_written": 0,
+        "tokens": 0,
+        "bytes": 0,
+        "layouts": Counter(),
+        "problems": defaultdict(list),  # reason -> paths
+    }
+    keys, layout_of, last = sorted(files | locks), {}, time.monotonic()
+    if rows:
+        from safetensors.torch import load_file
+
+        from vllm_gdn_hs.connector import check_rows
+    for i, path in enumerate(keys):
+        if time.monotonic() - last > progress_s:
+            print(f"checked {i:,} of {len(keys):,}", file=sys.stderr, flush=True)
+            last = time.monotonic()
+        held = path in locks and lock_held(path + ".lock")
+        if held:
+            out["being_written"] += 1
+            continue
+        if path not in files:
+            out["problems"]["lost: a lock nobody holds and no file (the writer died)"].append(
+                path + ".lock"
+            )
+            continue
+        try:
+            t, layers, hidden, dtype = layout(read_header(path))
+            if rows and (why := check_rows(load_file(path)["hidden_states"])):
+                raise ValueError(why)
+        except (ValueError, KeyError, OSError) as e:
+            out["problems"][f"broken: {e}"].append(path)
+            continue
+        layout_of[path] = (layers, hidden, dtype)
+        out["layouts"][(layers, hidden, dtype)] += 1
+        out["complete"] += 1
+        out["unread"] += path in locks
+        out["tokens"] += t
+        out["bytes"] += os.path.getsize(path)
+    if len(out["layouts"]) > 1:  # one folder, one layer set: the odd ones out are suspect
+        usual = out["layouts"].most_common(1)[0][0]
+        for path, lay in layout_of.items():
+            if lay != usual:
+                out["problems"][
+                    f"layout {lay[0]} layers x {lay[1]} {lay[2]}, the folder's others are "
+                    f"{usual[0]} x {usual[1]} {usual[2]}"
+                ].append(path)
+    for path in temps:
+        pid = path.rsplit(".tmp-", 1)[1].split("-")[0]
+        if not (pid.isdigit() and _pid_alive(int(pid))):
+            out["problems"]["temp file of a writer that is gone (safe to delete)"].append(path)
+    return out
+
+
+def report(root: str, out: dict, expect: int | None) -> list[str]:
+    lines = [
+        f"{root}: {out['complete']:,} complete files, {out['tokens']:,} tokens, "
+        f"{out['bytes'] / 1e9:,.2f} GB"
+        + "".join(f"; {n:,} x [T, {la}, {h}] {d}" for (la, h, d), n in out["layouts"].items())
+    ]
+    if out["unread"]:
+        lines.append(f"{out['unread']:,} of them still have their .lock (not yet read)")
+    if out["being_written"]:
+        lines.append(f"{out['being_written']:,} being written (a live writer holds the lock)")
+    if expect is not None and out["complete"] < expect:
+        lines.append(f"expected {expect:,} files: {expect - out['complete']:,} missing")
+    for reason, paths in sorted(out["problems"].items()):
+        lines.append(f"{len(paths):,} {reason}: e.g. {paths[0]}")
+    return lines
+
+
+def run_check(root: str, rows: bool, expect: int | None, list_path: str | None) -> int:
+    """0: every request is sound (and, with ``expect``, all are there); 1: problems."""
+    if not os.path.isdir(root):
+        print(f"error: {root} is not a folder", file=sys.stderr)
+        return 2
+    out = scan(root, rows)
+    print("\n".join(report(root, out, expect)))
+    if list_path:
+        with open(list_path, "w") as f:
+            for reason, paths in sorted(out["problems"].items()):
+                f.writelines(f"{p}\t{reason}\n" for p in paths)
+        print(f"problem paths, one per line with the reason: {list_path}")
+    missing = expect is not None and out["complete"] < expect
+    return 1 if out["problems"] or missing else 0
