@@ -1,4 +1,4 @@
-"""benchmarks/bench.py's log parsing against the writer's real log lines; CPU only.
+"""benchmarks/bench.py: log parsing against the writer's real log lines; the --budget rule.
 
 Run: python -m pytest tests/test_bench.py -q
 Covers: the writer's progress and shutdown lines, as HiddenStatesWriter logs them through
@@ -50,3 +50,11 @@ def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
     progress = "\n".join(line for line in log.splitlines() if "shut down" not in line)
     assert bench.writer_info(progress)["writer_log"].startswith("0 files (0.00 GB) written")
     assert bench.writer_info("no writer here") == {}
+
+
+def test_budget_does_not_start_an_engine_that_cannot_finish_starting():
+    # Run 18 on the H200: plain's CUDA-graph engine took 195 s to start; ours got the 210 s
+    # left and was cut off while compiling. Now it is not started.
+    assert not bench.can_start(210, 195)
+    assert bench.can_start(240, 195)
+    assert bench.can_start(60, 0) and not bench.can_start(40, 0)  # first variant: 30 s floor
