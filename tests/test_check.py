@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from vllm_gdn_hs import check
 from vllm_gdn_hs.check import scan
 from vllm_gdn_hs.cli import main
 from vllm_gdn_hs.connector import _release_lock, _take_lock, write_file
@@ -80,6 +81,7 @@ def test_damage_is_found_and_listed(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "1 being written" in out, out
         listed = dict(line.split("\t") for line in listing.read_text().splitlines())
+        assert "1 lost (a lock nobody holds and no file" in out, out
         assert set(listed) == {
             trunc,
             str(tmp_path / "junk.safetensors"),
@@ -87,15 +89,16 @@ def test_damage_is_found_and_listed(tmp_path, capsys):
             lost + ".lock",
             str(dead_tmp),
         }, listed
-        assert listed[trunc].startswith("broken: truncated")
-        assert listed[odd].startswith(f"layout {L - 1} layers x {H} BF16, the folder's others")
-        assert listed[lost + ".lock"].startswith("lost")
+        assert listed[trunc].startswith(f"{check.BROKEN}: truncated")
+        want = f"{L - 1} layers x {H} BF16, the folder's others {L} x {H} BF16"
+        assert listed[odd] == f"{check.LAYOUT}: {want}"
+        assert listed[lost + ".lock"] == f"{check.LOST}: no file"
         assert good not in listed and nan not in listed  # header-only by default
         # --rows loads the rows: the connector's own check finds NaN and zero rows.
         problems = scan(str(tmp_path), rows=True)["problems"]
-        flat = {p: r for r, paths in problems.items() for p in paths}
-        assert flat[nan] == "broken: non-finite values at token positions [2]"
-        assert flat[zero] == "broken: all-zero rows at token positions [4]"
+        flat = {p: (kind, why) for kind, found in problems.items() for p, why in found}
+        assert flat[nan] == (check.ROWS, "non-finite values at token positions [2]")
+        assert flat[zero] == (check.ROWS, "all-zero rows at token positions [4]")
         assert good not in flat
     finally:
         _release_lock(live_fd, live + ".lock", remove=True)

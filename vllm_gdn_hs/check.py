@@ -19,6 +19,12 @@ import time
 from collections import Counter, defaultdict
 
 SUFFIX = ".safetensors"
+# What can be wrong with a request, as reported (one line per kind, every path in --list).
+LOST = "lost (a lock nobody holds and no file: the writer died; resend these requests)"
+BROKEN = "broken (truncated, or not a speculators hidden-states file)"
+ROWS = "bad rows (NaN/Inf or all-zero)"
+LAYOUT = "other layer layout than the rest of the folder"
+TEMP = "temp files of writers that are gone (safe to delete)"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -102,7 +108,7 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         "tokens": 0,
         "bytes": 0,
         "layouts": Counter(),
-        "problems": defaultdict(list),  # reason -> paths
+        "problems": defaultdict(list),  # kind -> [(path, detail)]
     }
     keys, layout_of, last = sorted(files | locks), {}, time.monotonic()
     if rows:
@@ -118,16 +124,16 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
             out["being_written"] += 1
             continue
         if path not in files:
-            out["problems"]["lost: a lock nobody holds and no file (the writer died)"].append(
-                path + ".lock"
-            )
+            out["problems"][LOST].append((path + ".lock", "no file"))
             continue
         try:
+            kind = BROKEN
             t, layers, hidden, dtype = layout(read_header(path))
+            kind = ROWS
             if rows and (why := check_rows(load_file(path)["hidden_states"])):
                 raise ValueError(why)
         except (ValueError, KeyError, OSError) as e:
-            out["problems"][f"broken: {e}"].append(path)
+            out["problems"][kind].append((path, str(e)))
             continue
         layout_of[path] = (layers, hidden, dtype)
         out["layouts"][(layers, hidden, dtype)] += 1
@@ -139,14 +145,17 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         usual = out["layouts"].most_common(1)[0][0]
         for path, lay in layout_of.items():
             if lay != usual:
-                out["problems"][
-                    f"layout {lay[0]} layers x {lay[1]} {lay[2]}, the folder's others are "
-                    f"{usual[0]} x {usual[1]} {usual[2]}"
-                ].append(path)
+                out["problems"][LAYOUT].append(
+                    (
+                        path,
+                        f"{lay[0]} layers x {lay[1]} {lay[2]}, the folder's others "
+                        f"{usual[0]} x {usual[1]} {usual[2]}",
+                    )
+                )
     for path in temps:
         pid = path.rsplit(".tmp-", 1)[1].split("-")[0]
         if not (pid.isdigit() and _pid_alive(int(pid))):
-            out["problems"]["temp file of a writer that is gone (safe to delete)"].append(path)
+            out["problems"][TEMP].append((path, f"process {pid} is gone"))
     return out
 
 
@@ -162,8 +171,8 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
         lines.append(f"{out['being_written']:,} being written (a live writer holds the lock)")
     if expect is not None and out["complete"] < expect:
         lines.append(f"expected {expect:,} files: {expect - out['complete']:,} missing")
-    for reason, paths in sorted(out["problems"].items()):
-        lines.append(f"{len(paths):,} {reason}: e.g. {paths[0]}")
+    for kind, found in sorted(out["problems"].items()):
+        lines.append(f"{len(found):,} {kind}; e.g. {found[0][0]}: {found[0][1]}")
     return lines
 
 
@@ -176,8 +185,8 @@ def run_check(root: str, rows: bool, expect: int | None, list_path: str | None) 
     print("\n".join(report(root, out, expect)))
     if list_path:
         with open(list_path, "w") as f:
-            for reason, paths in sorted(out["problems"].items()):
-                f.writelines(f"{p}\t{reason}\n" for p in paths)
-        print(f"problem paths, one per line with the reason: {list_path}")
+            for kind, found in sorted(out["problems"].items()):
+                f.writelines(f"{p}\t{kind}: {detail}\n" for p, detail in found)
+        print(f"problem paths, one per line: PATH<tab>KIND: DETAIL, in {list_path}")
     missing = expect is not None and out["complete"] < expect
     return 1 if out["problems"] or missing else 0
