@@ -108,3 +108,13 @@ def test_stock_connector_keeps_its_speculative_config(hybrid_model):
     assert cfg.speculative_config is not None
     assert cfg.speculative_config.method == "extract_hidden_states"
     assert "layer_ids" not in cfg.kv_transfer_config.kv_connector_extra_config
+
+
+def test_data_parallel_config_keeps_extraction(hybrid_model):
+    # `--data-parallel-size N` (the README's 8-GPU example): every engine gets the same
+    # connector config, HMA on and the layer ids, and no speculative decoding.
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, data_parallel_size=2)
+    assert cfg.parallel_config.data_parallel_size == 2
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] == [1, 4, 8]
+    assert cfg.speculative_config is None
