@@ -346,11 +346,11 @@ def error_text(e: Exception) -> str:
     return str(e) if isinstance(e, Skip) else traceback.format_exc(limit=-3)
 
 
-def can_start(left_s: float, startup_s: float) -> bool:
+def can_start(left_s: float, slowest_s: float) -> bool:
     """Whether a variant is worth starting with left_s of the --budget: 20 s go to stopping
-    and writing results, and an engine needs about as long to start as the slowest one did
-    (a 27B CUDA-graph engine: 195 s) before it measures anything."""
-    return left_s - 20 >= max(30.0, startup_s)
+    and writing results, and a variant needs about as long as the slowest one so far took
+    from start to its last record (27B with CUDA graphs on 0.26.0: 270 s)."""
+    return left_s - 20 >= max(30.0, slowest_s)
 
 
 def check_space(out_dir: str, w: Workload, spec: dict) -> None:
@@ -840,8 +840,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0,
         help="seconds for the whole command (e.g. 570 inside a 10-minute call): a variant gets "
-        "at most what is left, and is not started with less left than the slowest engine start "
-        "so far, so the group ends with error records instead of being killed",
+        "at most what is left, and is not started with less left than the slowest variant so "
+        "far took, so the group ends with error records instead of being killed",
     )
     p.add_argument("--drain-timeout", type=float, default=120)
     p.add_argument(
@@ -923,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
     base_env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
     tmpdir = tempfile.mkdtemp(prefix="vllm_gdn_hs_bench_")
     deadline, summary = started + args.budget, []
-    startup_s = 0.0  # the longest engine start so far: a variant with less time left is not begun
+    slowest_s = 0.0  # the longest variant so far: one with less time left is not begun
     for variant in args.variants:
         env = dict(base_env)
         if variant != "ours" and "VLLM_PLUGINS" not in env:
@@ -975,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = args.timeout
         if args.budget:
             timeout = min(timeout, deadline - t0 - 20)  # 20 s to kill, wait and write results
-        out_of_budget = args.budget and not can_start(deadline - t0, startup_s)
+        out_of_budget = args.budget and not can_start(deadline - t0, slowest_s)
         rc, log, skip = None, "", bool(problem or out_of_budget)
         if not skip:
             rc, log = run_child(cmd, log_path, timeout, env)
@@ -990,10 +990,12 @@ def main(argv: list[str] | None = None) -> int:
             why = problem
         elif skip:
             why = f"skipped: not started, {deadline - t0:.0f} s left of --budget {args.budget:.0f}"
-            if startup_s:
-                why += f" and an engine took {startup_s:.0f} s to start; run it in its own call"
+            if slowest_s:
+                why += f" and a variant took {slowest_s:.0f} s; run it in its own call"
+        elif rc is None and timeout < args.timeout:
+            why = f"cut off by --budget after {timeout:.0f} s (not a fault: time ran out)"
         elif rc is None:
-            why = f"timed out after {timeout:.0f} s (--timeout/--budget)"
+            why = f"timed out after {timeout:.0f} s (--timeout)"
         else:
             why = f"worker exited with status {rc}"
         records += [
@@ -1020,8 +1022,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             if r.get("error"):
                 r.update(error_summary=error_summary(r["error"], log), log_tail=tail)
-        if variant != "hf":
-            startup_s = max([startup_s] + [r["startup_s"] for r in records if r.get("startup_s")])
+        if variant != "hf" and rc == 0:
+            slowest_s = max(slowest_s, time.time() - t0)
         merge_results(args.results, records)
         summary += records
         print(f"[bench] {variant}: {len(records)} records -> {args.results}", flush=True)

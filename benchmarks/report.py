@@ -163,8 +163,9 @@ def note(r: dict) -> str:
         parts.append(f"run {r['run']}")
     if r.get("error"):
         err = r.get("error_summary") or (r["error"].strip().splitlines() or ["error"])[-1]
-        # skipped or cut off by --budget/--timeout is time, not a fault: say so without "failed"
-        cut = err.startswith(("skipped", "timed out"))
+        # skipped, or cut off by --budget, is time, not a fault: say so without "failed" (the
+        # "--timeout/--budget" wording is the records of run 18, before the two were told apart)
+        cut = err.startswith(("skipped", "cut off by --budget")) or err.endswith("/--budget)")
         parts.append(err[:160] if cut else "failed: " + err[:160])
     elif r["variant"] == "hf" and not r.get("fla_available"):
         parts.append("no fla: reference GDN kernels")

@@ -74,7 +74,12 @@ def test_damage_is_found_and_listed(tmp_path, capsys):
     ).stdout.strip()
     dead_tmp = tmp_path / f"x.safetensors.tmp-{gone}-1"
     dead_tmp.write_bytes(b"half")
-    (tmp_path / f"y.safetensors.tmp-{os.getpid()}-1").write_bytes(b"in progress")
+    old = os.path.getmtime(dead_tmp) - check.TEMP_AGE_S - 60
+    os.utime(dead_tmp, (old, old))  # a writer renames within seconds; this one is long gone
+    (tmp_path / f"z.safetensors.tmp-{gone}-1").write_bytes(b"fresh")  # maybe another host's
+    y = tmp_path / f"y.safetensors.tmp-{os.getpid()}-1"
+    y.write_bytes(b"in progress")
+    os.utime(y, (old, old))  # old, but its process is alive
     try:
         listing = tmp_path / "bad.txt"
         assert main(["check", str(tmp_path), "--list", str(listing)]) == 1
@@ -112,3 +117,43 @@ def test_not_a_folder(tmp_path, capsys):
 def test_empty_folder(tmp_path, capsys):
     assert main(["check", str(tmp_path)]) == 0
     assert "0 complete files" in capsys.readouterr().out
+
+
+def test_a_live_run_moving_on_is_not_reported(tmp_path, monkeypatch):
+    """The folder is listed, then checked: a writer that finishes, or a reader that takes a
+    file away, in between is neither lost nor broken."""
+    done = str(tmp_path / "done.safetensors")
+    fd = _take_lock(done + ".lock")  # listed as a lock without its file
+    moved = _write(tmp_path, "moved")
+    probe, header = check.lock_held, check.read_header
+
+    def writer_finishes_first(lock):
+        if lock == done + ".lock" and not os.path.exists(done):
+            write_file(done, torch.randn(3, L, H).to(torch.bfloat16), torch.arange(3))
+            _release_lock(fd, lock, remove=False)
+        return probe(lock)
+
+    def reader_moves_it_first(path):
+        if path == moved:
+            os.remove(path)
+        return header(path)
+
+    monkeypatch.setattr(check, "lock_held", writer_finishes_first)
+    monkeypatch.setattr(check, "read_header", reader_moves_it_first)
+    out = scan(str(tmp_path))
+    assert not out["problems"], dict(out["problems"])
+    assert (out["complete"], out["gone"]) == (1, 1)
+
+
+def test_any_damaged_header_is_reported_not_raised(tmp_path):
+    import json
+    import struct
+
+    for name, header in [("list", []), ("nulls", {"hidden_states": {"data_offsets": None}})]:
+        raw = json.dumps(header).encode()
+        (tmp_path / f"{name}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    problems = scan(str(tmp_path))["problems"]
+    assert sorted(os.path.basename(p) for p, _ in problems[check.BROKEN]) == [
+        "list.safetensors",
+        "nulls.safetensors",
+    ]

@@ -48,6 +48,8 @@ def test_versions_are_paired_and_cut_runs_are_not_faults(records):
     cut = next(r for r in ours26 if r.get("error"))
     assert report.note(cut).endswith("timed out after 210 s (--timeout/--budget)")
     assert "failed: Boom" in report.note({**cut, "error": "Boom", "error_summary": None})
+    hang = {**cut, "error": "timed out after 540 s (--timeout)", "error_summary": None}
+    assert "failed: timed out" in report.note(hang)
 
 
 def test_generated_files_are_current(records):

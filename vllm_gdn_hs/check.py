@@ -3,8 +3,8 @@
 A run of millions of requests should lose nothing silently. This walks the folder and sorts
 every request into: complete, being written (a live writer holds ``<file>.lock``), lost (a
 lock nobody holds and no file: the writer died), or broken (truncated, not the speculators
-layout, a different layer set than the rest of the folder). Temp files of killed writers are
-listed too. Only the safetensors header of each file is read (no torch), unless ``--rows``:
+layout, a different layer set than the rest of the folder). Temp files of writers that are
+gone are listed too. Only the safetensors header of each file is read (no torch), unless ``--rows``:
 then every row is loaded and put through the connector's own NaN/Inf and all-zero check.
 """
 
@@ -24,7 +24,9 @@ LOST = "lost (a lock nobody holds and no file: the writer died; resend these req
 BROKEN = "broken (truncated, or not a speculators hidden-states file)"
 ROWS = "bad rows (NaN/Inf or all-zero)"
 LAYOUT = "other layer layout than the rest of the folder"
-TEMP = "temp files of writers that are gone (safe to delete)"
+TEMP = "temp files of writers that are gone (check no server still writes here, then delete)"
+UNREADABLE = "locks this user may not open (run check as the server's user)"
+TEMP_AGE_S = 600  # a writer renames its temp file within seconds
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -62,13 +64,16 @@ def layout(tensors: dict) -> tuple[int, int, int, str]:
     return t, layers, hidden, hs["dtype"]
 
 
-def lock_held(lock_path: str) -> bool:
-    """Whether a writer holds ``lock_path``. Probes with a shared lock, released at once: a
-    writer taking its exclusive lock meanwhile waits microseconds, it never fails."""
+def lock_held(lock_path: str) -> bool | None:
+    """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
+    shared lock, released at once: a writer taking its exclusive lock meanwhile waits
+    microseconds, it never fails."""
     try:
         fd = os.open(lock_path, os.O_RDONLY)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -77,6 +82,19 @@ def lock_held(lock_path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _stale_temp(path: str, now: float) -> str | None:
+    """Why a ``<file>.tmp-<pid>-<tid>`` looks abandoned, or None. A writer on another host or
+    in another pid namespace has a pid this host cannot see, so age is required as well."""
+    pid = path.rsplit(".tmp-", 1)[1].split("-")[0]
+    try:
+        age = now - os.path.getmtime(path)
+    except FileNotFoundError:
+        return None  # renamed into place meanwhile
+    if age < TEMP_AGE_S or (pid.isdigit() and _pid_alive(int(pid))):
+        return None
+    return f"untouched for {age / 60:.0f} min, process {pid} not running on this host"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -89,73 +107,92 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
+    """Sort one request (``path`` = its data file); return its layout when it is complete.
+    The folder was listed a moment ago: a live run moves on meanwhile, so anything that looks
+    wrong is looked at again before it is reported."""
+    held = lock_held(path + ".lock") if has_lock else False
+    if held:
+        out["being_written"] += 1
+        return None
+    if not os.path.exists(path):
+        if not os.path.exists(path + ".lock"):
+            out["gone"] += 1  # read and moved away (offline generation), or just consumed
+        elif lock_held(path + ".lock"):
+            out["being_written"] += 1  # a writer took its lock after the listing
+        elif os.path.exists(path):
+            return _request(out, path, False, rows)  # finished after the listing
+        elif held is None:
+            out["problems"][UNREADABLE].append((path + ".lock", "permission denied"))
+        else:
+            out["problems"][LOST].append((path + ".lock", "no file"))
+        return None
+    kind = BROKEN
+    try:
+        size = os.path.getsize(path)
+        t, layers, hidden, dtype = layout(read_header(path))
+        kind = ROWS
+        if rows:
+            from safetensors.torch import load_file
+
+            from vllm_gdn_hs.connector import check_rows
+
+            if why := check_rows(load_file(path)["hidden_states"]):
+                raise ValueError(why)
+    except FileNotFoundError:
+        out["gone"] += 1
+        return None
+    except Exception as e:  # a damaged header can be any JSON: every failure is reported
+        out["problems"][kind].append((path, str(e) or type(e).__name__))
+        return None
+    out["complete"] += 1
+    out["unread"] += has_lock
+    out["tokens"] += t
+    out["bytes"] += size
+    return layers, hidden, dtype
+
+
 def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
-    """Sort every request under ``root``; returns counts, totals and the problem paths."""
-    files, locks, temps = set(), set(), []
+    """Sort every request under ``root``, one folder at a time (listed, then checked at once,
+    so a live run has little time to move on); returns counts, totals and problem paths."""
+    out = {
+        "complete": 0,
+        "unread": 0,
+        "being_written": 0,
+        "gone": 0,
+        "tokens": 0,
+        "bytes": 0,
+        "layouts": Counter(),
+        "problems": defaultdict(list),  # kind -> [(path, detail)]
+    }
+    paths_by_layout = defaultdict(list)
+    last, now = time.monotonic(), time.time()
     for folder, _, names in os.walk(root):
+        files, locks = set(), set()
         for name in names:
             path = os.path.join(folder, name)
             if name.endswith(SUFFIX):
                 files.add(path)
             elif name.endswith(SUFFIX + ".lock"):
                 locks.add(path[: -len(".lock")])
-            elif SUFFIX + ".tmp-" in name:
-                temps.append(path)
-    out = {
-        "complete": 0,
-        "unread": 0,
-        "being_written": 0,
-        "tokens": 0,
-        "bytes": 0,
-        "layouts": Counter(),
-        "problems": defaultdict(list),  # kind -> [(path, detail)]
-    }
-    keys, layout_of, last = sorted(files | locks), {}, time.monotonic()
-    if rows:
-        from safetensors.torch import load_file
-
-        from vllm_gdn_hs.connector import check_rows
-    for i, path in enumerate(keys):
-        if time.monotonic() - last > progress_s:
-            print(f"checked {i:,} of {len(keys):,}", file=sys.stderr, flush=True)
-            last = time.monotonic()
-        held = path in locks and lock_held(path + ".lock")
-        if held:
-            out["being_written"] += 1
-            continue
-        if path not in files:
-            out["problems"][LOST].append((path + ".lock", "no file"))
-            continue
-        try:
-            kind = BROKEN
-            t, layers, hidden, dtype = layout(read_header(path))
-            kind = ROWS
-            if rows and (why := check_rows(load_file(path)["hidden_states"])):
-                raise ValueError(why)
-        except (ValueError, KeyError, OSError) as e:
-            out["problems"][kind].append((path, str(e)))
-            continue
-        layout_of[path] = (layers, hidden, dtype)
-        out["layouts"][(layers, hidden, dtype)] += 1
-        out["complete"] += 1
-        out["unread"] += path in locks
-        out["tokens"] += t
-        out["bytes"] += os.path.getsize(path)
+            elif SUFFIX + ".tmp-" in name and (why := _stale_temp(path, now)):
+                out["problems"][TEMP].append((path, why))
+        for path in sorted(files | locks):
+            if lay := _request(out, path, path in locks, rows):
+                out["layouts"][lay] += 1
+                paths_by_layout[lay].append(path)
+            if time.monotonic() - last > progress_s:
+                print(f"checked {out['complete']:,} complete files ...", file=sys.stderr)
+                last = time.monotonic()
     if len(out["layouts"]) > 1:  # one folder, one layer set: the odd ones out are suspect
         usual = out["layouts"].most_common(1)[0][0]
-        for path, lay in layout_of.items():
+        for lay, paths in paths_by_layout.items():
             if lay != usual:
-                out["problems"][LAYOUT].append(
-                    (
-                        path,
-                        f"{lay[0]} layers x {lay[1]} {lay[2]}, the folder's others "
-                        f"{usual[0]} x {usual[1]} {usual[2]}",
-                    )
+                why = (
+                    f"{lay[0]} layers x {lay[1]} {lay[2]}, the folder's others "
+                    f"{usual[0]} x {usual[1]} {usual[2]}"
                 )
-    for path in temps:
-        pid = path.rsplit(".tmp-", 1)[1].split("-")[0]
-        if not (pid.isdigit() and _pid_alive(int(pid))):
-            out["problems"][TEMP].append((path, f"process {pid} is gone"))
+                out["problems"][LAYOUT] += [(p, why) for p in paths]
     return out
 
 
@@ -169,6 +206,8 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
         lines.append(f"{out['unread']:,} of them still have their .lock (not yet read)")
     if out["being_written"]:
         lines.append(f"{out['being_written']:,} being written (a live writer holds the lock)")
+    if out["gone"]:
+        lines.append(f"{out['gone']:,} moved or removed while being checked (read by a client)")
     if expect is not None and out["complete"] < expect:
         lines.append(f"expected {expect:,} files: {expect - out['complete']:,} missing")
     for kind, found in sorted(out["problems"].items()):
