@@ -12,7 +12,6 @@ cache capacity against the same engine without extraction.
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import json
 import os
@@ -24,6 +23,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from vllm_gdn_hs.check import lock_held
 from vllm_gdn_hs.reader import load_hidden_states
 from vllm_gdn_hs.reference import (
     file_problems,
@@ -170,24 +170,6 @@ def _abort_files(folder) -> list[str]:
     return sorted(f for f in os.listdir(folder) if f.startswith("abort-"))
 
 
-def _lock_held(path: str) -> bool:
-    """True while a writer holds the flock of ``path`` (a .lock file)."""
-    if not path.endswith(".lock"):
-        return False
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def test_hybrid_eager_chunked(models, reference, tmp_path):
     with engine(models["hybrid"], "hybrid", str(tmp_path), max_num_batched_tokens=256) as llm:
         sched = llm.llm_engine.vllm_config.scheduler_config
@@ -222,7 +204,11 @@ def test_hybrid_eager_chunked(models, reference, tmp_path):
         # A finished file keeps its released .lock until a reader takes it (speculators'
         # protocol); an aborted request must leave neither lock nor temp file.
         deadline = time.monotonic() + 10
-        while any(_lock_held(os.path.join(tmp_path, f)) for f in _abort_files(tmp_path)):
+        while any(
+            lock_held(os.path.join(tmp_path, f))
+            for f in _abort_files(tmp_path)
+            if f.endswith(".lock")
+        ):
             assert time.monotonic() < deadline, f"locks still held: {_abort_files(tmp_path)}"
             time.sleep(0.05)
         left = _abort_files(tmp_path)
