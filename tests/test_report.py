@@ -38,15 +38,29 @@ def test_plain_of_the_same_run(records):
 
 
 def test_versions_are_paired_and_cut_runs_are_not_faults(records):
-    # Ours on 0.26.0 divides by plain 0.26.0 of its own run, never by plain 0.20.1.
+    # Ours on 0.26.0 divides by plain 0.26.0, never by plain 0.20.1: of its own run where that
+    # run measured plain on the same workload and mode (run 17), else the newest (run 22's
+    # ours against run 21's plain, the call before).
     ours26 = [r for r in records if r["variant"] == "ours" and r["versions"]["vllm"] == "0.26.0"]
-    assert ours26
+    assert {r["run"] for r in ours26} >= {"run17", "run22"}
     for r in ours26:
         plain = report.plain_for(r, records)
-        assert plain["versions"]["vllm"] == "0.26.0" and plain["run"] == r["run"]
+        assert plain["versions"]["vllm"] == "0.26.0"
+        same = (plain["workload"], plain["mode"], plain["run"]) == (
+            r["workload"],
+            r["mode"],
+            r["run"],
+        )
+        assert same or r["run"] != "run17", (r["run"], plain["run"])
+    assert (
+        report.plain_for(next(r for r in ours26 if r["run"] == "run22"), records)["run"] == "run21"
+    )
     # A variant the --budget cut off is reported as cut, a crash as failed.
-    cut = next(r for r in ours26 if r.get("error"))
+    cut = next(r for r in ours26 if r["run"] == "run18")
     assert report.note(cut).endswith("timed out after 210 s (--timeout/--budget)")
+    assert report.note(next(r for r in ours26 if r["run"] == "run20")).endswith(
+        "cut off by --budget after 310 s (not a fault: time ran out)"
+    )
     assert "failed: Boom" in report.note({**cut, "error": "Boom", "error_summary": None})
     hang = {**cut, "error": "timed out after 540 s (--timeout)", "error_summary": None}
     assert "failed: timed out" in report.note(hang)
