@@ -83,6 +83,9 @@ KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (
 WRITER_RE = re.compile(
     r"HybridHiddenStatesConnector: ((?:shut down; |\d+ files ).*per step.*)$", re.M
 )
+# The worker's progress marks (epoch seconds), read back when the --budget or --timeout cuts it
+READY_RE = re.compile(r"\[bench\] \S+: engine ready at ([\d.]+)$", re.M)
+GENERATING_RE = re.compile(r"\[bench\] \S+ (\S+): generating from ([\d.]+)$", re.M)
 # "ValueError: ..." alone or after the engine core's "(EngineCore_DP0 pid=123) " prefix
 ERROR_LINE_RE = re.compile(r"(?:^|\) )([\w.]*(?:Error|Exception): .*)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
@@ -434,6 +437,7 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup = dict(startup_s=round(time.perf_counter() - t0, 1), startup_peak_gpu_mib=poller.take())
+    print(ready_mark(spec["variant"], time.time()), flush=True)
     try:  # what vLLM chose, for reading the figures (0.20.1 attribute names)
         c = llm.llm_engine.vllm_config
         startup["engine_config"] = dict(
@@ -469,6 +473,7 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
                 drain(out_dir, outs, len(outs), spec["drain_timeout"])
             reset_dir(out_dir)
             poller.take()
+            print(generating_mark(spec["variant"], name, time.time()), flush=True)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             gen_s = time.perf_counter() - t0
@@ -729,6 +734,30 @@ def error_summary(error: str, log: str) -> str:
     causes = [m[1] for m in map(ERROR_LINE_RE.search, log.splitlines()) if m]
     causes = [c for c in causes if "Engine core" not in c]
     return causes[-1].strip() if causes else last
+
+
+def ready_mark(variant: str, at: float) -> str:
+    return f"[bench] {variant}: engine ready at {at:.1f}"
+
+
+def generating_mark(variant: str, workload: str, at: float) -> str:
+    return f"[bench] {variant} {workload}: generating from {at:.1f}"
+
+
+def cut_detail(log: str, started: float, stopped: float, workload: str, tokens: int) -> str:
+    """How far a variant stopped at `stopped` had got with `workload`, from its progress
+    marks: a lower bound on the time it needed, and so an upper bound on its tokens/s."""
+    ready = READY_RE.findall(log)
+    if not ready:
+        return f"its engine was not ready after {stopped - started:.0f} s"
+    gen = dict(GENERATING_RE.findall(log)).get(workload)
+    if gen is None:
+        return f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not begun"
+    took = stopped - float(gen)
+    return (
+        f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not done after "
+        f"{took:.0f} s of generating: under {tokens / took:,.0f} tok/s"
+    )
 
 
 def load_records(path: str) -> list[dict]:
@@ -998,11 +1027,16 @@ def main(argv: list[str] | None = None) -> int:
             why = f"timed out after {timeout:.0f} s (--timeout)"
         else:
             why = f"worker exited with status {rc}"
-        records += [
-            dict(make_workload(n, args.seed).stats(), error=why)
-            for n in args.workloads
-            if n not in done
-        ]
+        stopped = time.time()
+        for n in args.workloads:
+            if n in done:
+                continue
+            w = make_workload(n, args.seed)
+            rec = dict(w.stats(), error=why)
+            if rc is None and not skip and variant != "hf":  # cut: say how far it got
+                detail = cut_detail(log, t0, stopped, n, w.stats()["processed_tokens"])
+                rec["error"] = f"{why}; {detail}"
+            records.append(rec)
         tail = "\n".join(log.splitlines()[-25:])
         for r in records:
             r.update(
@@ -1034,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] summary; table: python benchmarks/report.py {args.results}")
     for r in summary:
         if r.get("error"):
-            res = r["error_summary"][:150]
+            res = r["error_summary"][:240]
         else:
             res = (
                 f"{r['prompt_tokens'] / r['gen_s']:9,.0f} tok/s  drain {r['drain_s']:6.2f} s  "

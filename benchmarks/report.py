@@ -166,7 +166,7 @@ def note(r: dict) -> str:
         # skipped, or cut off by --budget, is time, not a fault: say so without "failed" (the
         # "--timeout/--budget" wording is the records of run 18, before the two were told apart)
         cut = err.startswith(("skipped", "cut off by --budget")) or err.endswith("/--budget)")
-        parts.append(err[:160] if cut else "failed: " + err[:160])
+        parts.append(err[:240] if cut else "failed: " + err[:240])
     elif r["variant"] == "hf" and not r.get("fla_available"):
         parts.append("no fla: reference GDN kernels")
     return "; ".join(parts).replace("|", "/")

@@ -58,3 +58,29 @@ def test_budget_does_not_start_a_variant_that_cannot_finish():
     assert not bench.can_start(230, 270)
     assert bench.can_start(300, 270)
     assert bench.can_start(60, 0) and not bench.can_start(40, 0)  # first variant: 30 s floor
+
+
+def test_a_cut_variant_says_how_far_it_got():
+    # Run 22 on the H200: upstream's engine was ready 55 s after its worker started, began
+    # mixed-out256 a second later, and the --budget cut it 175 s into generating.
+    t0 = 1000.0
+    log = "\n".join(
+        [
+            "INFO ... [core.py:347] init engine (profile, create kv cache, warmup model) took 5 s",
+            "Capturing CUDA graphs (decode, FULL):  29%|##9  | 15/51\r"
+            + bench.ready_mark("upstream", t0 + 55),
+            bench.generating_mark("upstream", "mixed-out256", t0 + 56),
+        ]
+    )
+    detail = bench.cut_detail(log, t0, t0 + 231, "mixed-out256", 470_851)
+    assert detail == (
+        "engine ready after 55 s; mixed-out256 not done after 175 s of generating: "
+        "under 2,691 tok/s"
+    )
+    assert bench.cut_detail(log, t0, t0 + 231, "mixed", 405_571) == (
+        "engine ready after 55 s; mixed not begun"
+    )
+    # Run 20: both CUDA-graph engines were still starting when the 310 s ran out.
+    assert bench.cut_detail("Capturing CUDA graphs", t0, t0 + 310, "mixed", 1) == (
+        "its engine was not ready after 310 s"
+    )
