@@ -10,6 +10,10 @@ writer (in the same process, in alternating blocks of 10 steps; the writer is id
 a block without it starts).
 
     python benchmarks/decode_contention.py --requests 256 --steps 200 --ops-per-step 1000
+
+`--skip-filing` times the same run with one stage left out: the decode rows are gathered
+from the step's host buffer as usual but never filed into their requests' buffers (the
+files then lack those rows and are refused; only the timing counts).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def engine_step(x: torch.Tensor, ops: int) -> None:
 def run(args: argparse.Namespace) -> dict:
     shutil.rmtree(args.out_dir, ignore_errors=True)
     os.makedirs(args.out_dir)
+    if args.skip_filing:
+        connector._RequestBuffer.defer = lambda self, *a: None
     torch.set_num_threads(1)
     cfg = HiddenStatesConfig(shared_storage_path=args.out_dir)
     writer = HiddenStatesWriter(
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
         "engine_waited_s": round(writer.timing["engine_waited_s"], 3),
         "writer": writer.timing_summary(),
         "cpu_cores": os.cpu_count(),
+        "skip_filing": args.skip_filing,
     }
 
 
@@ -129,6 +136,9 @@ def main() -> int:
     p.add_argument("--ops-per-step", type=int, default=1000)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument(
+        "--skip-filing", action="store_true", help="leave out filing decode rows (a stage timing)"
+    )
     p.add_argument("--label", help="stored in the record, e.g. the commit measured")
     p.add_argument("--results", help="append the record to this JSON file")
     args = p.parse_args()
