@@ -746,14 +746,15 @@ def generating_mark(variant: str, workload: str, at: float) -> str:
 
 def cut_detail(log: str, started: float, stopped: float, workload: str, tokens: int) -> str:
     """How far a variant stopped at `stopped` had got with `workload`, from its progress
-    marks: a lower bound on the time it needed, and so an upper bound on its tokens/s."""
+    marks: a lower bound on the time it needed, and so an upper bound on its tokens/s (prompt
+    tokens, as the records' tokens/s)."""
     ready = READY_RE.findall(log)
     if not ready:
         return f"its engine was not ready after {stopped - started:.0f} s"
     gen = dict(GENERATING_RE.findall(log)).get(workload)
     if gen is None:
         return f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not begun"
-    took = stopped - float(gen)
+    took = max(stopped - float(gen), 0.1)
     return (
         f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not done after "
         f"{took:.0f} s of generating: under {tokens / took:,.0f} tok/s"
@@ -1027,14 +1028,14 @@ def main(argv: list[str] | None = None) -> int:
             why = f"timed out after {timeout:.0f} s (--timeout)"
         else:
             why = f"worker exited with status {rc}"
-        stopped = time.time()
+        stopped = min(time.time(), t0 + timeout)  # killed then, before the clean-up
         for n in args.workloads:
             if n in done:
                 continue
             w = make_workload(n, args.seed)
             rec = dict(w.stats(), error=why)
             if rc is None and not skip and variant != "hf":  # cut: say how far it got
-                detail = cut_detail(log, t0, stopped, n, w.stats()["processed_tokens"])
+                detail = cut_detail(log, t0, stopped, n, w.stats()["prompt_tokens"])
                 rec["error"] = f"{why}; {detail}"
             records.append(rec)
         tail = "\n".join(log.splitlines()[-25:])

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import time
 
 import torch
 
@@ -67,15 +69,15 @@ def test_a_cut_variant_says_how_far_it_got():
     log = "\n".join(
         [
             "INFO ... [core.py:347] init engine (profile, create kv cache, warmup model) took 5 s",
-            "Capturing CUDA graphs (decode, FULL):  29%|##9  | 15/51\r"
-            + bench.ready_mark("upstream", t0 + 55),
+            "Capturing CUDA graphs (decode, FULL):  29%|##9  | 15/51",
+            bench.ready_mark("upstream", t0 + 55),
             bench.generating_mark("upstream", "mixed-out256", t0 + 56),
         ]
     )
-    detail = bench.cut_detail(log, t0, t0 + 231, "mixed-out256", 470_851)
+    detail = bench.cut_detail(log, t0, t0 + 231, "mixed-out256", 405_571)
     assert detail == (
         "engine ready after 55 s; mixed-out256 not done after 175 s of generating: "
-        "under 2,691 tok/s"
+        "under 2,318 tok/s"
     )
     assert bench.cut_detail(log, t0, t0 + 231, "mixed", 405_571) == (
         "engine ready after 55 s; mixed not begun"
@@ -84,3 +86,41 @@ def test_a_cut_variant_says_how_far_it_got():
     assert bench.cut_detail("Capturing CUDA graphs", t0, t0 + 310, "mixed", 1) == (
         "its engine was not ready after 310 s"
     )
+
+
+def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
+    """bench.main() as run, with the worker process replaced: one cut by the --budget after its
+    engine was ready and its workload had begun, one that crashed (no detail: not a cut)."""
+    calls = []
+
+    def fake_run_child(cmd, log_path, timeout, env):
+        now = time.time()
+        log = "\n".join(
+            [
+                "INFO ... [core.py:347] init engine (profile, create kv cache, warmup model)",
+                bench.ready_mark("upstream", now + 0.1),
+                bench.generating_mark("upstream", "4x64", now + 0.2),
+            ]
+        )
+        calls.append(timeout)
+        time.sleep(0.5)
+        return (None if len(calls) == 1 else 1), log
+
+    monkeypatch.setattr(bench, "run_child", fake_run_child)
+    results = tmp_path / "r.json"
+    argv = [
+        "--shape", "tiny", "--variants", "upstream", "--workloads", "4x64", "--eager",
+        "--out-dir", str(tmp_path / "hs"), "--model-root", str(tmp_path / "m"),
+        "--log-dir", str(tmp_path / "logs"), "--results", str(results),
+    ]  # fmt: skip
+    assert bench.main([*argv, "--budget", "300"]) == 0
+    assert bench.main(argv) == 0
+    cut, crashed = bench.load_records(str(results))
+    assert round(calls[0]) == 280  # the --budget less 20 s to stop
+    assert re.fullmatch(
+        r"cut off by --budget after 280 s \(not a fault: time ran out\); engine ready after 0 s; "
+        r"4x64 not done after 0 s of generating: under [\d,]+ tok/s",
+        cut["error"],
+    ), cut["error"]
+    assert cut["error_summary"] == cut["error"]
+    assert crashed["error"] == "worker exited with status 1"

@@ -39,22 +39,22 @@ def test_plain_of_the_same_run(records):
 
 def test_versions_are_paired_and_cut_runs_are_not_faults(records):
     # Ours on 0.26.0 divides by plain 0.26.0, never by plain 0.20.1: of its own run where that
-    # run measured plain on the same workload and mode (run 17), else the newest (run 22's
-    # ours against run 21's plain, the call before).
+    # run measured plain (run 17; the same-run rule itself: test_plain_of_the_same_run), else
+    # the newest (run 22's ours against run 21's plain, the call before).
     ours26 = [r for r in records if r["variant"] == "ours" and r["versions"]["vllm"] == "0.26.0"]
     assert {r["run"] for r in ours26} >= {"run17", "run22"}
     for r in ours26:
-        plain = report.plain_for(r, records)
-        assert plain["versions"]["vllm"] == "0.26.0"
-        same = (plain["workload"], plain["mode"], plain["run"]) == (
-            r["workload"],
-            r["mode"],
-            r["run"],
-        )
-        assert same or r["run"] != "run17", (r["run"], plain["run"])
-    assert (
-        report.plain_for(next(r for r in ours26 if r["run"] == "run22"), records)["run"] == "run21"
-    )
+        assert report.plain_for(r, records)["versions"]["vllm"] == "0.26.0"
+    ours22 = next(r for r in ours26 if r["run"] == "run22" and r["workload"] == "32x8192")
+    assert report.plain_for(ours22, records)["run"] == "run21"
+    # A newer plain record of the other release, even of the same run, is never the divisor.
+    newer = {
+        **report.plain_for(ours22, records),
+        "versions": {"vllm": "0.20.1"},
+        "date": "2026-12-31T00:00:00+00:00",
+        "run": "run22",
+    }
+    assert report.plain_for(ours22, [*records, newer])["versions"]["vllm"] == "0.26.0"
     # A variant the --budget cut off is reported as cut, a crash as failed.
     cut = next(r for r in ours26 if r["run"] == "run18")
     assert report.note(cut).endswith("timed out after 210 s (--timeout/--budget)")
