@@ -194,6 +194,16 @@ def test_custom_ids_with_last_layer_not_repeated(capsys, hybrid):
     assert spec_ids(dry_run(capsys, hybrid, "--target-layer-ids", "0", "8", "4")) == [0, 8, 4]
 
 
+def test_custom_ids_out_of_order_are_kept_with_a_warning(capsys, hybrid):
+    # The files keep the order given; speculators' trainer takes the last as the verifier's.
+    rc = launch.main([hybrid, "--target-layer-ids", "1", "8", "2", "--dry-run"])
+    captured = capsys.readouterr()
+    assert rc == 0 and spec_ids(shlex.split(captured.out.splitlines()[-1])) == [1, 8, 2]
+    assert "not in increasing order, so the trainer would take layer 2, not 8" in captured.err
+    launch.main([hybrid, "--target-layer-ids", "1", "3", "--dry-run"])
+    assert "increasing order" not in capsys.readouterr().err
+
+
 def test_passthrough_after_double_dash(capsys, dense):
     user = ["--port", "8001", "--chat-template", "{{ 'a b' }}", "--", "-tp", "2"]
     cmd = dry_run(capsys, dense, "--", *user)
@@ -591,6 +601,18 @@ def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
     cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
     assert cmd.count("--additional-config") == 1
     assert cmd[cmd.index("--additional-config") + 1] == user
+
+
+def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    user = '{"some_key": 1}'
+    cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
+    assert cmd.count("--additional-config") == 1  # the user's JSON is passed on as given
+    assert 'add "gdn_prefill_backend": "triton" to it' in capsys.readouterr().err
+    launch.build_command(
+        launch.parse_args([hybrid, "--", "--additional-config", '{"gdn_prefill_backend": "x"}'])
+    )
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_no_gdn_backend_flag_for_dense_models(dense, monkeypatch):

@@ -273,13 +273,18 @@ def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
         extra.append("--no-enable-prefix-caching")
     if info.multimodal and _bool_flag(vllm_args, "language-model-only") is None:
         extra.append("--language-model-only")
-    if (
-        info.is_hybrid
-        and not _has_flashinfer()
-        and not _last_value(vllm_args, {"--additional-config"})
-    ):
+    if info.is_hybrid and not _has_flashinfer():
         # vLLM's default GDN prefill kernel on Hopper comes from flashinfer.
-        extra += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+        user = _last_value(vllm_args, {"--additional-config"})
+        if not user:
+            extra += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+        elif "gdn_prefill_backend" not in (user[1] or ""):  # the user's JSON wins, as is
+            print(
+                f"warning: flashinfer is not installed and {user[0]} {user[1]} does not set "
+                'gdn_prefill_backend: add "gdn_prefill_backend": "triton" to it, or vLLM '
+                "may pick the flashinfer GDN prefill kernel and fail at startup.",
+                file=sys.stderr,
+            )
     return extra
 
 
@@ -300,9 +305,17 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
             ids.append(n)
         print(
             f"warning: using custom target layer ids {ids}. Pass the same ids, without the "
-            f"last one ({ids[-1]}), to the training script.",
+            f"last one ({ids[-1]}), to the training script: it takes the last layer of each "
+            "file as the verifier's hidden state.",
             file=sys.stderr,
         )
+        if ids != sorted(ids):  # files keep this order: the trainer's verifier would be ids[-1]
+            print(
+                f"warning: the layer ids {ids} are not in increasing order, so the trainer "
+                f"would take layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; "
+                "list them in increasing order unless that is meant.",
+                file=sys.stderr,
+            )
     try:
         return validate_layer_ids(ids, n)
     except ValueError as e:
