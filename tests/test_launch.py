@@ -171,8 +171,13 @@ def test_default_layer_ids(tmp_path, capsys, n, expected, kind):
 
 
 def test_default_ids_ignore_no_include_last_layer(capsys, hybrid):
-    # speculators applies --no-include-last-layer only to custom ids.
-    assert spec_ids(dry_run(capsys, hybrid, "--no-include-last-layer")) == [2, 4, 5, 8]
+    # speculators applies --no-include-last-layer only to custom ids; we say so.
+    rc = launch.main([hybrid, "--no-include-last-layer", "--dry-run"])
+    captured = capsys.readouterr()
+    assert rc == 0 and spec_ids(shlex.split(captured.out.splitlines()[-1])) == [2, 4, 5, 8]
+    assert "--no-include-last-layer applies only to --target-layer-ids" in captured.err
+    assert launch.main([hybrid, "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_custom_ids_get_last_layer_and_warning(capsys, hybrid):

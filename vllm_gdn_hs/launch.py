@@ -299,6 +299,12 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     n = num_hidden_layers
     if not args.target_layer_ids:
         ids = default_layer_ids(n)
+        if not args.include_last_layer:  # speculators' rule, kept: said, not silent
+            print(
+                f"warning: --no-include-last-layer applies only to --target-layer-ids; the "
+                f"default ids {ids} end with the last layer. To leave it out, pass the ids.",
+                file=sys.stderr,
+            )
     else:
         ids = list(args.target_layer_ids)
         if args.include_last_layer and n not in ids:
