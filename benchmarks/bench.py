@@ -1032,10 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.workloads:
             if n in done:
                 continue
-            w = make_workload(n, args.seed)
-            rec = dict(w.stats(), error=why)
+            stats = make_workload(n, args.seed).stats()
+            rec = dict(stats, error=why)
             if rc is None and not skip and variant != "hf":  # cut: say how far it got
-                detail = cut_detail(log, t0, stopped, n, w.stats()["prompt_tokens"])
+                detail = cut_detail(log, t0, stopped, n, stats["prompt_tokens"])
                 rec["error"] = f"{why}; {detail}"
             records.append(rec)
         tail = "\n".join(log.splitlines()[-25:])
