@@ -20,7 +20,6 @@ Smoke test: --smoke (tiny shape, 16x512 and 16x512-out8, eager), about a minute 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import random
@@ -38,6 +37,8 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
+
+from vllm_gdn_hs.files import take_finished
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE_CONFIG = os.path.join(HERE, "qwen3.6-27b-config.json")
@@ -310,31 +311,6 @@ def dir_bytes(path: str) -> tuple[int, int]:
     return total, files
 
 
-def write_finished(path: str) -> bool:
-    """One non-blocking step of vllm_gdn_hs.reader.wait_for_file (speculators' reader): False
-    while a writer holds ``<path>.lock``; else take the lock, delete it, and require the file.
-    Raises FileNotFoundError at once when neither exists (the writer gave up)."""
-    lock = path + ".lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        fd = None
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        try:
-            os.remove(lock)
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # also releases our lock
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no hidden-states file at {path}: the write failed (see log)")
-    return True
-
-
 def bytes_needed(w: Workload, spec: dict) -> int:
     """Hidden-state bytes one run of w writes: processed tokens x (layers x hidden x 2 B + 8 B)."""
     hidden = model_config(spec["shape"])["text_config"]["hidden_size"]
@@ -379,7 +355,7 @@ def drain(out_dir: str, outputs, expected: int, timeout: float) -> float:
                 for n in names
                 if n.endswith(".safetensors")
             ]
-        done.update(p for p in paths if p not in done and write_finished(p))
+        done.update(p for p in paths if p not in done and take_finished(p))
         if len(done) >= expected:
             return time.perf_counter() - t0
         if time.perf_counter() - t0 > timeout:

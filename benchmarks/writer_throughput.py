@@ -28,7 +28,7 @@ from vllm_gdn_hs.connector import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.reader import wait_for_file
+from vllm_gdn_hs.files import wait_for_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import merge_results  # noqa: E402

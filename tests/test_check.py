@@ -6,7 +6,9 @@ Run: python -m pytest tests/test_check.py -q
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ import torch
 from vllm_gdn_hs import check
 from vllm_gdn_hs.check import scan
 from vllm_gdn_hs.cli import main
-from vllm_gdn_hs.connector import _release_lock, _take_lock, write_file
+from vllm_gdn_hs.files import release_lock, take_lock, write_file
 
 L, H = 4, 64
 
@@ -24,10 +26,10 @@ def _write(folder, name, tokens=5, layers=L, rows=None, lock=True):
     """A file as the writer leaves it: lock taken, file written atomically, lock released
     and left for the reader."""
     path = os.path.join(folder, f"{name}.safetensors")
-    fd = _take_lock(path + ".lock") if lock else None
+    fd = take_lock(path) if lock else None
     hs = rows if rows is not None else torch.randn(tokens, layers, H).to(torch.bfloat16)
     write_file(path, hs, torch.arange(hs.shape[0], dtype=torch.int64))
-    _release_lock(fd, path + ".lock", remove=False)
+    release_lock(fd, path, remove=False)
     return path
 
 
@@ -64,7 +66,7 @@ def test_damage_is_found_and_listed(tmp_path, capsys):
     os.close(os.open(lost + ".lock", os.O_CREAT | os.O_RDWR))
     # A live writer holds its lock and has no file yet: not a problem.
     live = str(tmp_path / "live.safetensors")
-    live_fd = _take_lock(live + ".lock")
+    live_fd = take_lock(live)
     # Temp files: one of a process that is gone, one of this (live) process.
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -106,7 +108,7 @@ def test_damage_is_found_and_listed(tmp_path, capsys):
         assert flat[zero] == (check.ROWS, "all-zero rows at token positions [4]")
         assert good not in flat
     finally:
-        _release_lock(live_fd, live + ".lock", remove=True)
+        release_lock(live_fd, live, remove=True)
 
 
 def test_not_a_folder(tmp_path, capsys):
@@ -123,14 +125,14 @@ def test_a_live_run_moving_on_is_not_reported(tmp_path, monkeypatch):
     """The folder is listed, then checked: a writer that finishes, or a reader that takes a
     file away, in between is neither lost nor broken."""
     done = str(tmp_path / "done.safetensors")
-    fd = _take_lock(done + ".lock")  # listed as a lock without its file
+    fd = take_lock(done)  # listed as a lock without its file
     moved = _write(tmp_path, "moved")
     probe, header = check.lock_held, check.read_header
 
     def writer_finishes_first(lock):
         if lock == done + ".lock" and not os.path.exists(done):
             write_file(done, torch.randn(3, L, H).to(torch.bfloat16), torch.arange(3))
-            _release_lock(fd, lock, remove=False)
+            release_lock(fd, done, remove=False)
         return probe(lock)
 
     def reader_moves_it_first(path):
@@ -157,3 +159,41 @@ def test_any_damaged_header_is_reported_not_raised(tmp_path):
         "list.safetensors",
         "nulls.safetensors",
     ]
+
+
+def test_what_a_killed_writer_or_a_stray_entry_leaves(tmp_path, capsys):
+    """A writer killed mid-write leaves safetensors' own temp file (``.tmpXXXXXX``, no pid in
+    its name); a FIFO under a file's name must not hang the check; a file whose
+    ``data_offsets`` disagree with its shapes is broken; a link to a file is not a second
+    file."""
+    good = _write(tmp_path, "good")
+    killed = tmp_path / ".tmpAb12Cd"
+    killed.write_bytes(b"\0" * 1000)
+    old = os.path.getmtime(killed) - check.TEMP_AGE_S - 60
+    os.utime(killed, (old, old))
+    (tmp_path / ".tmpXy34Zw").write_bytes(b"\0")  # fresh: a writer may be at it now
+    fifo = str(tmp_path / "fifo.safetensors")
+    os.mkfifo(fifo)
+    shifted = _write(tmp_path, "shifted")
+    header_len = struct.unpack("<Q", open(shifted, "rb").read(8))[0]
+    with open(shifted, "r+b") as f:  # same sizes, token_ids' span moved one byte
+        head = f.read(8 + header_len)
+        meta = json.loads(head[8:])
+        begin, end = meta["token_ids"]["data_offsets"]
+        meta["token_ids"]["data_offsets"] = [begin + 1, end]
+        raw = json.dumps(meta, separators=(",", ":")).encode().ljust(header_len)
+        assert len(raw) == header_len
+        f.seek(8)
+        f.write(raw)
+    os.symlink(good, tmp_path / "link.safetensors")
+    listing = tmp_path / "bad.txt"
+    assert main(["check", str(tmp_path), "--list", str(listing)]) == 1
+    out = capsys.readouterr().out
+    listed = dict(line.split("\t") for line in listing.read_text().splitlines())
+    assert set(listed) == {str(killed), fifo, shifted}, listed
+    assert listed[str(killed)].startswith(f"{check.TEMP}: ")
+    assert "safetensors temp file" in listed[str(killed)]
+    assert listed[fifo] == f"{check.ODD}: not a regular file"
+    assert listed[shifted].startswith(f"{check.BROKEN}: tensor 'token_ids': data_offsets")
+    assert f"{tmp_path}: 1 complete files" in out, out
+    assert "1 symbolic links not followed" in out

@@ -245,3 +245,20 @@ def test_custom_path_allowed(hybrid_model, tmp_path):
         os.path.join(tmp_path, "d.safetensors"),
     ]
     assert finished["c"].kv_transfer_params == {"hidden_states_path": custom}
+
+
+@pytest.mark.parametrize(
+    "custom", ["/etc/passwd", "../outside.safetensors", "sub/../../x.safetensors", "x.txt", ""]
+)
+def test_custom_path_outside_its_root_refused(hybrid_model, tmp_path, custom):
+    """allow_custom_save_path confines clients to custom_save_root (default: the folder)."""
+    root = tmp_path / "hs"
+    sched = make_scheduler(hybrid_model, str(root), allow_custom_save_path=True)
+    sched.add_request(make_request("c", prompt(5), params={"hidden_states_path": custom}))
+    sched.add_request(make_request("d", prompt(5)))
+    so, finished = step(sched)
+    assert [n.req_id for n in meta_of(so).new_requests] == ["d"]
+    assert "hidden_states_path" not in finished["c"].kv_transfer_params
+    assert finished["c"].kv_transfer_params["hidden_states_error"]
+    assert finished["d"].kv_transfer_params == {"hidden_states_path": str(root / "d.safetensors")}
+    assert sorted(os.listdir(tmp_path)) == ["hs"]

@@ -27,15 +27,15 @@ import torch
 from safetensors.torch import load_file
 
 from vllm_gdn_hs import connector as conn_mod
+from vllm_gdn_hs import files
 from vllm_gdn_hs.connector import (
     FinishedRequest,
     HiddenStatesConfig,
     HiddenStatesWriter,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
-    check_rows,
-    write_file,
 )
+from vllm_gdn_hs.files import check_rows, write_file
 
 L, H = 3, 16
 LOGGER = conn_mod.logger.name
@@ -108,21 +108,13 @@ def save(writer, *chunks: tuple[str, int, torch.Tensor]) -> None:
 
 def lock_state(path: str) -> str:
     """'held', 'free' or 'absent': what speculators' reader would find at <path>.lock."""
-    try:
-        fd = os.open(path + ".lock", os.O_RDWR)
-    except FileNotFoundError:
+    if not os.path.exists(path + ".lock"):
         return "absent"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return "held"
-    finally:
-        os.close(fd)  # closing drops our lock, if we got it
-    return "free"
+    return "held" if files.lock_held(path + ".lock") else "free"
 
 
 def leftovers(storage) -> list[str]:
-    return sorted(f for f in os.listdir(storage) if ".tmp-" in f)
+    return sorted(f for f in os.listdir(storage) if files.is_temp(f) is not None)
 
 
 def test_new_request_creates_and_holds_lock(writer, storage):
@@ -262,12 +254,9 @@ def test_reader_gets_the_lock_only_once_the_file_is_complete(writer, storage):
     new(writer, storage, r=6)
     seen = {}
 
-    def reader():  # speculators' protocol, blocking instead of polling
-        fd = os.open(path + ".lock", os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        seen["file"] = load_file(path) if os.path.exists(path) else None
-        os.remove(path + ".lock")
-        os.close(fd)
+    def reader():  # speculators' protocol
+        files.wait_for_file(path, timeout=30)
+        seen["file"] = load_file(path)
 
     t = threading.Thread(target=reader)
     t.start()
@@ -290,7 +279,7 @@ def test_aborted_request_leaves_nothing(writer, storage):
     assert not os.path.exists(path_of(storage, "x"))
     assert lock_state(path_of(storage, "x")) == "absent"
     assert torch.equal(load_file(path_of(storage, "y"))["hidden_states"], y)
-    assert writer.stats["dropped"] == 1 and writer.stats["files"] == 1
+    assert writer.stats["aborted"] == 1 and writer.stats["files"] == 1
     # Rows for a request the writer no longer knows are ignored.
     assert "x" not in writer.requests
 
@@ -304,7 +293,7 @@ def test_missing_rows_refused(writer, storage, caplog):
     path = path_of(storage, "m")
     assert not os.path.exists(path) and lock_state(path) == "absent"
     (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert "request m:" in msg and path in msg
+    assert "request 'm':" in msg and path in msg
     assert "hidden states missing for token positions [3, 4]" in msg
     assert writer.stats["failed"] == 1
 
@@ -338,7 +327,7 @@ def test_bad_rows_refused(writer, storage, caplog, value, why):
     assert lock_state(path_of(storage, "n")) == "absent"
     assert torch.equal(load_file(path_of(storage, "ok"))["hidden_states"], ok)
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(msgs) == 1 and "request n:" in msgs[0] and why in msgs[0]
+    assert len(msgs) == 1 and "request 'n':" in msgs[0] and why in msgs[0]
 
 
 def test_zero_rows_written_when_validation_is_off(storage):
@@ -370,7 +359,7 @@ def test_full_disk_logged_and_others_written(writer, storage, caplog, monkeypatc
     assert leftovers(storage) == []
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(msgs) == 1
-    assert "request full:" in msgs[0] and "No space left on device" in msgs[0]
+    assert "request 'full':" in msgs[0] and "No space left on device" in msgs[0]
     assert writer.stats["failed"] == 1 and writer.stats["files"] == 1
 
 
@@ -442,28 +431,37 @@ def test_upstream_option_names_accepted():
     assert cfg.write_workers == 8
 
 
-def test_vanished_folder_logged_and_others_written(writer, storage, caplog):
+def test_vanished_folder_made_again_and_every_file_written(writer, storage, caplog):
+    """A cleanup job removes the folder while requests are in flight, and again before new
+    ones arrive: the folder is made again (logged each time it is made), no request is lost."""
     sub = storage / "sub"
     sub.mkdir()
-    gone = str(sub / "gone.safetensors")
+    before, after = str(sub / "before.safetensors"), str(sub / "after.safetensors")
     writer.on_metadata(
-        HybridHiddenStatesConnectorMetadata(
-            new_requests=[
-                NewRequest("gone", gone, 2),
-                NewRequest("kept", path_of(storage, "kept"), 2),
-            ]
-        )
+        HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("before", before, 2)])
     )
-    shutil.rmtree(sub)  # the folder disappears under the server
-    kept = rows(2)
-    save(writer, ("gone", 0, rows(2)), ("kept", 0, kept))
-    finish(writer, gone=[1, 2], kept=[3, 4])
+    shutil.rmtree(sub)  # the folder disappears under the server, lock and all
+    data = rows(2)
+    save(writer, ("before", 0, data))
+    finish(writer, before=[1, 2])
+    deadline = time.monotonic() + 30  # its lock went with the folder: wait for the file
+    while not os.path.exists(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert torch.equal(load_file(before)["hidden_states"], data)
+    shutil.rmtree(sub)  # and again, before the next request
+    writer.on_metadata(
+        HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("after", after, 2)])
+    )
+    assert lock_state(after) == "held"
+    save(writer, ("after", 0, data))
+    finish(writer, after=[3, 4])
     writer.close()
-    assert not os.path.exists(gone)
-    assert torch.equal(load_file(path_of(storage, "kept"))["hidden_states"], kept)
-    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(msgs) == 1 and "request gone:" in msgs[0]
-    assert leftovers(storage) == []
+    assert torch.equal(files.load_hidden_states(after)["hidden_states"], data)
+    made = [r.getMessage() for r in caplog.records if "made it again" in r.getMessage()]
+    assert len(made) == 2, made
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert writer.stats["files"] == 2 and writer.stats["failed"] == 0
+    assert leftovers(sub) == []
 
 
 def test_unwritable_request_path_does_not_stop_others(writer, storage, caplog):
@@ -480,7 +478,7 @@ def test_unwritable_request_path_does_not_stop_others(writer, storage, caplog):
     finish(writer, bad=[1, 2], ok=[3, 4])
     writer.close()
     assert torch.equal(load_file(path_of(storage, "ok"))["hidden_states"], ok)
-    assert any("request bad" in r.getMessage() for r in caplog.records)
+    assert any("request 'bad'" in r.getMessage() for r in caplog.records)
 
 
 def test_close_drains_everything(storage):
@@ -569,7 +567,7 @@ def test_write_file_failure_keeps_old_file_and_no_temp(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     monkeypatch.setattr(
-        conn_mod.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
+        files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
     )
     with pytest.raises(OSError):
         write_file(path, rows(3), torch.arange(3))

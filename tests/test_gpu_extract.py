@@ -23,8 +23,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from vllm_gdn_hs.check import lock_held
-from vllm_gdn_hs.reader import load_hidden_states
+from vllm_gdn_hs.files import load_hidden_states, lock_held
 from vllm_gdn_hs.reference import (
     file_problems,
     hf_hidden_states,

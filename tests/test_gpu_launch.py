@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from vllm_gdn_hs.reader import load_hidden_states
+from vllm_gdn_hs.files import load_hidden_states
 from vllm_gdn_hs.reference import file_problems, hf_hidden_states, load_hf_model, relative_errors
 from vllm_gdn_hs.testing import build_tiny_hybrid
 

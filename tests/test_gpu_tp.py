@@ -38,7 +38,7 @@ from test_gpu_extract import (  # noqa: F401
 from test_gpu_launch import RESULTS as LAUNCH_RESULTS
 from test_gpu_launch import _check, _post, _save_results, _serve, hf, tiny_model  # noqa: F401
 
-from vllm_gdn_hs.reader import load_hidden_states
+from vllm_gdn_hs.files import load_hidden_states
 from vllm_gdn_hs.reference import relative_errors
 
 pytestmark = [

@@ -160,6 +160,43 @@ def test_unsupported_vllm_names_supported_versions(version):
     assert "pip install 'vllm==0.26.0'" in msg
 
 
+_UNSUPPORTED = """
+import json, sys
+import vllm_gdn_hs.version as v
+from packaging.version import Version
+v.installed_vllm = lambda: Version("0.19.0")  # as if an unsupported release were installed
+import vllm.plugins
+vllm.plugins.load_general_plugins()  # must not raise
+import vllm_gdn_hs, vllm_gdn_hs.patch as p
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+try:
+    KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="HybridHiddenStatesConnector", kv_role="kv_producer"))
+    error = None
+except Exception as e:
+    error = type(e).__name__ + ": " + str(e)
+print("RESULT " + json.dumps(dict(
+    applied=p._applied, patched=hasattr(GPUModelRunner, "_vllm_gdn_hs_patched"), error=error)))
+"""
+
+
+def test_unsupported_vllm_warns_and_stays_out_of_the_way(run_python):
+    """vLLM calls register() in every process: on an unsupported release it must not break
+    vLLM for those who never name the connector, and naming it must say what to install."""
+    proc = run_python(_UNSUPPORTED, plugins=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT ") :])
+    assert got["applied"] == [] and got["patched"] is False
+    assert got["error"].startswith("UnsupportedVllmError: vllm-gdn-hs supports vllm 0.20.1 or")
+    assert "found vllm 0.19.0" in got["error"]
+    out = (proc.stdout + proc.stderr).splitlines()
+    warnings = [ln for ln in out if "found vllm 0.19.0" in ln and not ln.startswith("RESULT")]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
+
+
 def test_unsupported_vllm_has_no_patches():
     assert patch.patches_for("0.19.0") == ()
 

@@ -30,19 +30,29 @@ def register() -> None:
     """Check the vLLM version, apply its runtime patches, register the connector.
 
     Idempotent and cheap: the connector is registered by module path, so its
-    torch-heavy code is imported only when a config names it.
+    torch-heavy code is imported only when a config names it. On a vLLM release the
+    plugin does not support it never raises (vLLM calls it in every process, also those
+    that never use the connector): it logs one warning, applies nothing, and registers
+    :mod:`vllm_gdn_hs.unsupported` under the connector's name, so that naming the
+    connector fails with the list of supported releases.
     """
     global _registered
     if _registered:
         return
-    from vllm_gdn_hs.version import check_vllm
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
 
-    check_vllm()
+    module = CONNECTOR_MODULE
+    try:
+        check_vllm()
+    except UnsupportedVllmError as e:
+        init_logger(__name__).warning("%s; %s is not usable, vLLM runs without it", e, __name__)
+        module = "vllm_gdn_hs.unsupported"
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from vllm_gdn_hs.patch import apply_patches
+    if module == CONNECTOR_MODULE:
+        from vllm_gdn_hs.patch import apply_patches
 
-    apply_patches()
+        apply_patches()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
     _registered = True

@@ -10,15 +10,14 @@ then every row is loaded and put through the connector's own NaN/Inf and all-zer
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import struct
+import stat
 import sys
 import time
 from collections import Counter, defaultdict
 
-SUFFIX = ".safetensors"
+from vllm_gdn_hs.files import LOCK_SUFFIX, SUFFIX, is_temp, layout, lock_held, read_header
+
 # What can be wrong with a request, as reported (one line per kind, every path in --list).
 LOST = "lost (a lock nobody holds and no file: the writer died; resend these requests)"
 BROKEN = "broken (truncated, or not a speculators hidden-states file)"
@@ -26,75 +25,22 @@ ROWS = "bad rows (NaN/Inf or all-zero)"
 LAYOUT = "other layer layout than the rest of the folder"
 TEMP = "temp files of writers that are gone (check no server still writes here, then delete)"
 UNREADABLE = "locks this user may not open (run check as the server's user)"
+ODD = "not regular files (a FIFO, socket or device under a hidden-states name; not opened)"
 TEMP_AGE_S = 600  # a writer renames its temp file within seconds
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def read_header(path: str) -> dict:
-    """The safetensors header of ``path``; ValueError naming what is wrong with the file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"truncated: {size} bytes, no safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
-            raise ValueError(f"truncated or not safetensors: header of {n} bytes in {size}")
-        try:
-            meta = json.loads(f.read(n))
-        except ValueError:
-            raise ValueError("not safetensors: header is not JSON") from None
-    tensors = {k: v for k, v in meta.items() if k != "__metadata__"}
-    end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"truncated: {size} bytes, the header says {8 + n + end}")
-    return tensors
-
-
-def layout(tensors: dict) -> tuple[int, int, int, str]:
-    """(tokens, layers, hidden, dtype) of a speculators file; ValueError if it is not one."""
-    hs, ids = tensors.get("hidden_states"), tensors.get("token_ids")
-    if hs is None or ids is None:
-        raise ValueError(f"not a hidden-states file: tensors {sorted(tensors)}")
-    if len(hs["shape"]) != 3 or hs["shape"][0] == 0:
-        raise ValueError(f"hidden_states shape {hs['shape']}, not [tokens, layers, hidden]")
-    t, layers, hidden = hs["shape"]
-    if ids["dtype"] != "I64" or ids["shape"] != [t]:
-        raise ValueError(f"token_ids {ids['dtype']} {ids['shape']} for {t} rows (want I64 [{t}])")
-    return t, layers, hidden, hs["dtype"]
-
-
-def lock_held(lock_path: str) -> bool | None:
-    """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
-    shared lock, released at once: a writer taking its exclusive lock meanwhile waits
-    microseconds, it never fails."""
+def _stale_temp(path: str, pid: int, now: float) -> str | None:
+    """Why a temp file looks abandoned, or None: ours (``<file>.tmp-<pid>-<tid>``) or
+    safetensors' own (``.tmpXXXXXX``, no pid: age alone). A writer on another host or in
+    another pid namespace has a pid this host cannot see, so age is required as well."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def _stale_temp(path: str, now: float) -> str | None:
-    """Why a ``<file>.tmp-<pid>-<tid>`` looks abandoned, or None. A writer on another host or
-    in another pid namespace has a pid this host cannot see, so age is required as well."""
-    pid = path.rsplit(".tmp-", 1)[1].split("-")[0]
-    try:
-        age = now - os.path.getmtime(path)
+        age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
         return None  # renamed into place meanwhile
-    if age < TEMP_AGE_S or (pid.isdigit() and _pid_alive(int(pid))):
+    if age < TEMP_AGE_S or (pid and _pid_alive(pid)):
         return None
-    return f"untouched for {age / 60:.0f} min, process {pid} not running on this host"
+    who = f"process {pid} not running on this host" if pid else "a safetensors temp file"
+    return f"untouched for {age / 60:.0f} min, {who}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -135,7 +81,7 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
         if rows:
             from safetensors.torch import load_file
 
-            from vllm_gdn_hs.connector import check_rows
+            from vllm_gdn_hs.files import check_rows
 
             if why := check_rows(load_file(path)["hidden_states"]):
                 raise ValueError(why)
@@ -160,6 +106,7 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         "unread": 0,
         "being_written": 0,
         "gone": 0,
+        "links": 0,
         "tokens": 0,
         "bytes": 0,
         "layouts": Counter(),
@@ -171,12 +118,26 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         files, locks = set(), set()
         for name in names:
             path = os.path.join(folder, name)
-            if name.endswith(SUFFIX):
+            ours = name.endswith(SUFFIX) or name.endswith(SUFFIX + LOCK_SUFFIX)
+            pid = is_temp(name)
+            if not ours and pid is None:
+                continue
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # moved on since the listing
+            if stat.S_ISLNK(mode):
+                out["links"] += 1  # a real file is counted where it is, once
+                continue
+            if not stat.S_ISREG(mode):
+                out["problems"][ODD].append((path, "not a regular file"))
+            elif pid is not None:
+                if why := _stale_temp(path, pid, now):
+                    out["problems"][TEMP].append((path, why))
+            elif name.endswith(SUFFIX):
                 files.add(path)
-            elif name.endswith(SUFFIX + ".lock"):
-                locks.add(path[: -len(".lock")])
-            elif SUFFIX + ".tmp-" in name and (why := _stale_temp(path, now)):
-                out["problems"][TEMP].append((path, why))
+            else:
+                locks.add(path[: -len(LOCK_SUFFIX)])
         for path in sorted(files | locks):
             if lay := _request(out, path, path in locks, rows):
                 out["layouts"][lay] += 1
@@ -206,6 +167,10 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
         lines.append(f"{out['unread']:,} of them still have their .lock (not yet read)")
     if out["being_written"]:
         lines.append(f"{out['being_written']:,} being written (a live writer holds the lock)")
+    if out["links"]:
+        lines.append(
+            f"{out['links']:,} symbolic links not followed (their files count where they are)"
+        )
     if out["gone"]:
         lines.append(f"{out['gone']:,} moved or removed while being checked (read by a client)")
     if expect is not None and out["complete"] < expect:

@@ -3,7 +3,7 @@ the launcher can check them before vLLM starts without importing torch or vLLM."
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 
 class HiddenStatesConfig(BaseModel):
@@ -30,3 +30,34 @@ class HiddenStatesConfig(BaseModel):
     # As vLLM's ExampleHiddenStatesConnector: off only for offline runs whose files are read
     # after the server has finished (no <file>.lock then; speculators' online reader needs it).
     use_synchronization_lock: bool = True
+    # Where a client's own "hidden_states_path" may point, with allow_custom_save_path on;
+    # default: shared_storage_path. Anything resolving outside it is refused.
+    custom_save_root: str | None = None
+
+
+class RequestParams(BaseModel):
+    """The per-request ``kv_transfer_params`` the connector reads. They come from the network,
+    so they are checked here, on the scheduler side, before anything uses them; keys for
+    other connectors are left alone."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    hidden_states_path: str | None = Field(None, max_length=4096)
+    include_output_tokens: StrictBool = False
+
+
+def request_params(raw: object) -> RequestParams:
+    """``kv_transfer_params`` as given (None, a dict, or anything a client sent), checked;
+    ValueError naming each bad field."""
+    if raw is None:
+        return RequestParams()
+    if not isinstance(raw, dict):
+        raise ValueError(f"kv_transfer_params must be an object, not {type(raw).__name__}")
+    try:
+        return RequestParams.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"kv_transfer_params.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ValueError(problems) from None

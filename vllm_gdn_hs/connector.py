@@ -29,7 +29,6 @@ deletes it), as speculators' reader expects.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import queue
 import threading
@@ -47,8 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs import CONNECTOR_NAME, files, init_logger
+from vllm_gdn_hs.config import HiddenStatesConfig, request_params
+from vllm_gdn_hs.files import check_norms, release_lock, row_norms, take_lock
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,21 +114,6 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             "states): pass --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
         )
     return layer_ids
-
-
-def check_storage_path(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: shared_storage_path {path!r} is not writable ({e}); pass a "
-            "writable folder: --hidden-states-path DIR to the launcher, or "
-            '"shared_storage_path" in --kv-transfer-config\'s kv_connector_extra_config'
-        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +186,7 @@ class _RequestBuffer:
             self._resize(max(req.num_prompt_tokens, req.num_rows))
         except RuntimeError:  # no address space for the reservation (strict overcommit)
             self._resize(req.num_prompt_tokens)  # outputs' rows then grow the buffer
-        self.lock_fd = _take_lock(req.path + ".lock") if lock else None
+        self.lock_fd = take_lock(req.path) if lock else None
 
     def _resize(self, cap: int) -> None:
         self.rows, self.norms = (_grow(t, cap) for t in (self.rows, self.norms))
@@ -285,65 +270,6 @@ def _grow(t: torch.Tensor, cap: int) -> torch.Tensor:
     return grown
 
 
-def _take_lock(lock_path: str) -> int:
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def _release_lock(fd: int | None, lock_path: str, remove: bool) -> None:
-    if fd is None:  # use_synchronization_lock off: no lock file was made
-        return
-    if remove:
-        try:
-            os.remove(lock_path)
-        except FileNotFoundError:
-            pass
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    os.close(fd)
-
-
-def row_norms(hidden_states: torch.Tensor) -> torch.Tensor:
-    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row.
-
-    Computed next to the device-to-host copy (on the GPU in production), so the
-    host checks T x L numbers instead of scanning every value.
-    """
-    return torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
-
-
-def check_norms(norms: torch.Tensor) -> str | None:
-    """Why rows with these norms must not be shipped, or None."""
-    bad = ~torch.isfinite(norms).all(1)
-    if bad.any():
-        return f"non-finite values at token positions {bad.nonzero().flatten()[:5].tolist()}"
-    zero = (norms == 0).any(1)
-    if zero.any():
-        return f"all-zero rows at token positions {zero.nonzero().flatten()[:5].tolist()}"
-    return None
-
-
-def check_rows(hidden_states: torch.Tensor) -> str | None:
-    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
-    return check_norms(row_norms(hidden_states))
-
-
-def write_file(path: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """Write atomically: a temp file in the same folder, then rename."""
-    from safetensors.torch import save_file
-
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    try:
-        save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 @dataclass
 class _Slot:
     hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
@@ -390,7 +316,7 @@ class HiddenStatesWriter:
         self.tasks: queue.Queue = queue.Queue()
         self.pool = ThreadPoolExecutor(cfg.write_workers, thread_name_prefix="hs-write")
         self.pending_writes = 0
-        self.stats = dict(files=0, bytes=0, failed=0, dropped=0)
+        self.stats = dict(files=0, bytes=0, failed=0, aborted=0)
         # Host cost, for the logs: steps saved, seconds of the engine thread in save()
         # (waits for a free host buffer included, and counted apart), of drain work.
         self.timing = dict(steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0)
@@ -425,14 +351,8 @@ class HiddenStatesWriter:
                     lock=self.cfg.use_synchronization_lock,
                 )
                 self.created += 1
-            except OSError as e:  # never stop the engine for one request's file
-                logger.error(
-                    "%s: request %s: no hidden-states file: cannot lock %s.lock: %s",
-                    CONNECTOR_NAME,
-                    req.req_id,
-                    req.path,
-                    e,
-                )
+            except Exception as e:  # never stop the engine for one request's file
+                self._failed(req.req_id, f"cannot lock {req.path}.lock: {e}")
         for fin in meta.finished_requests:
             self.tasks.put(("finish", fin))
 
@@ -499,7 +419,7 @@ class HiddenStatesWriter:
         self.pool.shutdown(wait=True)
         unfinished = list(self.requests)
         for buf in self.requests.values():  # never finished: leave no lock behind
-            _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
+            release_lock(buf.lock_fd, buf.req.path, remove=True)
         self.requests.clear()
         logger.info(
             "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s; %s",
@@ -507,7 +427,7 @@ class HiddenStatesWriter:
             self.stats["files"],
             self.stats["bytes"] / 1e9,
             self.stats["failed"],
-            self.stats["dropped"],
+            self.stats["aborted"],
             len(unfinished),
             f" ({', '.join(unfinished[:5])})" if unfinished else "",
             self.timing_summary(),
@@ -536,7 +456,10 @@ class HiddenStatesWriter:
                     continue  # aborted, or finished before this step's rows
                 s, e = qsl[i], qsl[i + 1]
                 if e - s > _SHORT_RUN:
-                    buf.put(positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
+                    try:
+                        buf.put(positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
+                    except Exception as err:  # this request alone loses its file
+                        self._drop(buf, f"cannot keep its rows: {err}")
                 else:
                     short += ((buf, r) for r in range(s, e))
             touched = set()
@@ -545,17 +468,42 @@ class HiddenStatesWriter:
                 block = host_view(slot.hidden_states)[index]
                 block_norms = host_view(slot.norms)[index]
                 for j, (buf, r) in enumerate(short):
-                    buf.defer(block, block_norms, j, positions[r])
+                    if buf.req.req_id not in self.requests:
+                        continue  # dropped above
+                    try:
+                        buf.defer(block, block_norms, j, positions[r])
+                    except Exception as err:
+                        self._drop(buf, f"cannot keep its rows: {err}")
+                        continue
                     touched.add(buf)
             # A request that got no short rows this step (preempted, or prefilling again)
             # files what it holds, so that it keeps no step block alive while it waits.
             for buf in self.deferring - touched:
-                buf.flush()
+                try:
+                    buf.flush()
+                except Exception as err:
+                    self._drop(buf, f"cannot keep its rows: {err}")
             self.deferring = {buf for buf in touched if buf.pending}
         finally:
             self.timing["drain_s"] += time.perf_counter() - t0
             slot.free.set()
         self._log_progress()
+
+    def _drop(self, buf: _RequestBuffer, why: str) -> None:
+        """Give up on one request: no file and no lock (so its reader fails at once), counted
+        and logged once with its id; every other request goes on."""
+        self.requests.pop(buf.req.req_id, None)
+        self.deferring.discard(buf)
+        try:
+            release_lock(buf.lock_fd, buf.req.path, remove=True)
+        except Exception as e:
+            why += f" (and its lock: {e})"
+        self._failed(buf.req.req_id, why)
+
+    def _failed(self, req_id: str, why: str) -> None:
+        logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+        with self.stats_lock:
+            self.stats["failed"] += 1
 
     def _on_finish(self, fin: FinishedRequest) -> None:
         buf = self.requests.pop(fin.req_id, None)
@@ -563,9 +511,9 @@ class HiddenStatesWriter:
             return
         self.deferring.discard(buf)  # from here on only its writer touches it
         if fin.token_ids is None:  # aborted: no file, no lock
-            _release_lock(buf.lock_fd, buf.req.path + ".lock", remove=True)
+            release_lock(buf.lock_fd, buf.req.path, remove=True)
             with self.stats_lock:
-                self.stats["dropped"] += 1
+                self.stats["aborted"] += 1
             return
         nbytes = len(fin.token_ids) * self.num_layers * self.hidden * self.dtype.itemsize
         limit = self.cfg.write_backlog_gb * 1e9
@@ -603,11 +551,11 @@ class HiddenStatesWriter:
             hidden_states = buf.rows[:n]
             if self.cfg.validate_rows and (why := check_norms(buf.norms[:n])):
                 raise RuntimeError(why)
-            write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
+            files.write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
             ok = True
         except Exception as e:
             logger.error(
-                "%s: request %s: no hidden-states file written to %s: %s",
+                "%s: request %r: no hidden-states file written to %s: %s",
                 CONNECTOR_NAME,
                 buf.req.req_id,
                 path,
@@ -615,7 +563,7 @@ class HiddenStatesWriter:
             )
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
-            _release_lock(buf.lock_fd, path + ".lock", remove=not ok)
+            release_lock(buf.lock_fd, path, remove=not ok)
             with self.backlog:
                 self.pending_writes -= 1
                 self.backlog_bytes -= nbytes
@@ -634,13 +582,13 @@ class HiddenStatesWriter:
                 return
             self.last_log = now
             logger.info(
-                "%s: %d files (%.2f GB) written, %d failed, %d dropped, "
+                "%s: %d files (%.2f GB) written, %d failed, %d aborted, "
                 "%d writing (%.2f GB), %d requests in flight; %s",
                 CONNECTOR_NAME,
                 self.stats["files"],
                 self.stats["bytes"] / 1e9,
                 self.stats["failed"],
-                self.stats["dropped"],
+                self.stats["aborted"],
                 self.pending_writes,
                 self.backlog_bytes / 1e9,
                 len(self.requests),
@@ -666,14 +614,31 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = config_from(vllm_config)
         self.layer_ids = validate_vllm_config(vllm_config)
         self.storage_path = os.path.abspath(self.cfg.shared_storage_path)
+        self.custom_root = os.path.abspath(self.cfg.custom_save_root or self.storage_path)
         # Scheduler side
-        self._paths: dict[str, tuple[str, int]] = {}  # request id -> (file, rows to reserve)
+        # request id -> (file, rows to reserve, include_output_tokens)
+        self._paths: dict[str, tuple[str, int, bool]] = {}
+        self._refused: dict[str, str] = {}  # request id -> why it gets no file
         self._finished: list[FinishedRequest] = []
+        self._max_model_len = vllm_config.model_config.max_model_len
         # Worker side
         self._writer: HiddenStatesWriter | None = None
         if role == KVConnectorRole.SCHEDULER:
-            check_storage_path(self.storage_path)
+            if why := files.check_storage_path(self.storage_path):
+                raise ValueError(
+                    f"{CONNECTOR_NAME}: shared_storage_path {self.storage_path!r} is not "
+                    f"writable ({why}); pass a writable folder: --hidden-states-path DIR to the "
+                    'launcher, or "shared_storage_path" in --kv-transfer-config\'s '
+                    "kv_connector_extra_config"
+                )
             logger.info("%s: layers %s -> %s", CONNECTOR_NAME, self.layer_ids, self.storage_path)
+            if self.cfg.allow_custom_save_path:
+                logger.warning(
+                    "%s: allow_custom_save_path is on: any client may choose where its file is "
+                    "written, anywhere under %s (custom_save_root)",
+                    CONNECTOR_NAME,
+                    self.custom_root,
+                )
         elif self._is_writer_rank():
             self._writer = self._make_writer(vllm_config)
 
@@ -747,27 +712,43 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if request.request_id not in self._paths:  # first allocation of this request
-            params = request.kv_transfer_params or {}
-            outputs = request.max_tokens if params.get("include_output_tokens") else 0
-            self._paths[request.request_id] = (
-                self._path_for(request),
-                request.num_prompt_tokens + outputs,
-            )
+        if request.request_id in self._paths or request.request_id in self._refused:
+            return  # not its first allocation
+        try:
+            params = request_params(request.kv_transfer_params)
+            path = self._path_for(request.request_id, params.hidden_states_path)
+        except Exception as e:  # the client's input: refused for this request alone
+            self._refuse(request.request_id, str(e))
+            return
+        outputs = request.max_tokens if params.include_output_tokens else 0
+        rows = min(request.num_prompt_tokens + outputs, self._max_model_len)
+        self._paths[request.request_id] = (path, rows, params.include_output_tokens)
 
-    def _path_for(self, request: Request) -> str:
-        custom = (request.kv_transfer_params or {}).get("hidden_states_path")
-        if custom and self.cfg.allow_custom_save_path:
-            return os.path.abspath(custom)
-        if custom:
-            logger.warning(
-                "%s: request %s asks for hidden_states_path %s, ignored: set "
-                '"allow_custom_save_path": true in kv_connector_extra_config to allow it',
-                CONNECTOR_NAME,
-                request.request_id,
-                custom,
+    def _refuse(self, req_id: str, why: str) -> None:
+        """No file for this request: the reason goes into its response's kv_transfer_params
+        (``hidden_states_error``) and the log; the request itself is served as usual."""
+        self._refused[req_id] = why
+        logger.warning("%s: request %r: no hidden states: %s", CONNECTOR_NAME, req_id, why)
+
+    def _path_for(self, req_id: str, custom: str | None) -> str:
+        if custom is not None and self.cfg.allow_custom_save_path:
+            path = files.custom_path(custom, self.custom_root)
+        else:
+            if custom is not None:  # the response names the file's real path
+                logger.warning(
+                    "%s: request %r: hidden_states_path ignored (allow_custom_save_path is off)",
+                    CONNECTOR_NAME,
+                    req_id,
+                )
+            path = files.request_path(self.storage_path, req_id)
+        if os.path.lexists(path) or os.path.lexists(path + files.LOCK_SUFFIX):
+            # An earlier request with the same id whose file nobody has read yet: writing
+            # again would cost that request its file.
+            raise ValueError(
+                f"{path} already exists and has not been read; send a new request id, or move "
+                "the earlier file away"
             )
-        return os.path.join(self.storage_path, f"{request.request_id}.safetensors")
+        return path
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)
@@ -775,7 +756,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._paths:
                 continue
-            path, rows = self._paths[new.req_id]
+            path, rows, _ = self._paths[new.req_id]
             meta.new_requests.append(
                 NewRequest(new.req_id, path, len(new.prompt_token_ids or ()), rows)
             )
@@ -786,14 +767,15 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        path, _ = self._paths.pop(request.request_id, (None, 0))
+        if (why := self._refused.pop(request.request_id, None)) is not None:
+            return False, {"hidden_states_error": why}
+        path, _, include_output_tokens = self._paths.pop(request.request_id, (None, 0, False))
         if path is None:
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._finished.append(FinishedRequest(request.request_id, None))
             return False, None
-        params = request.kv_transfer_params or {}
-        if params.get("include_output_tokens"):
+        if include_output_tokens:
             token_ids = list(request.all_token_ids[:-1])  # the last one was never run
         else:
             token_ids = list(request.prompt_token_ids or ())

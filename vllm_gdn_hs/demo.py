@@ -27,7 +27,7 @@ def run_demo(workdir: str) -> int:
         return 1
     from vllm import LLM, SamplingParams
 
-    from vllm_gdn_hs.reader import load_hidden_states
+    from vllm_gdn_hs.files import load_hidden_states
     from vllm_gdn_hs.reference import (
         file_problems,
         hf_hidden_states,

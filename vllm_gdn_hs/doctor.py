@@ -51,10 +51,14 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
 def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, str | None]]:
     """The hidden-states folder: writable, free space, write speed, and what those mean in
     tokens at speculators' default of 4 layers when the model's hidden size is known."""
-    from vllm_gdn_hs.connector import check_storage_path
+    from vllm_gdn_hs.files import check_storage_path
 
     try:
-        check_storage_path(path)
+        if why := check_storage_path(path):
+            raise ValueError(
+                f"{path} is not writable ({why}): pass a writable folder with "
+                "--hidden-states-path DIR"
+            )
         free = shutil.disk_usage(path).free
         speed = write_speed(path, min(PROBE_BYTES, max(free // 4, 1 << 26)))
     except (ValueError, OSError) as e:

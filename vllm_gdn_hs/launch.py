@@ -345,6 +345,12 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
             f"vllm-gdn-hs ships only {', '.join(repr(b) for b in BACKENDS)}"
         )
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
+
+    try:
+        check_vllm()
+    except UnsupportedVllmError as e:
+        raise LaunchError(str(e)) from None
     if info is None:
         _check_model_path(args.model)
         info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)

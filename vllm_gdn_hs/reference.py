@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gdn_hs.connector import check_rows
+from vllm_gdn_hs.files import check_rows
 
 
 def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:

@@ -1,0 +1,384 @@
+"""The hidden-states file contract, in one place: names, paths, locks, writes, headers, rows.
+
+Everything that touches a hidden-states file goes through this module: the connector's
+scheduler side (file names), its writers (lock, write), ``vllm-gdn-hs check`` (headers,
+locks, temp files), the reader, the benchmarks and the tests. Torch is imported only by the
+functions that handle tensors, so ``check`` and ``doctor`` run without it.
+
+The file (as speculators and vLLM's ``ExampleHiddenStatesConnector`` define it):
+``{folder}/{file_name(request_id)}.safetensors`` holding ``hidden_states`` [T, L, H] in the
+model dtype and ``token_ids`` [T] int64. ``<file>.lock`` is created and ``flock``-ed by the
+writer before the response leaves and released once the file is complete; the reader takes
+it, deletes it and reads the file.
+
+Request ids come from the network, so :func:`file_name` encodes them into a name that can
+never leave the folder (see there), and :func:`inside` checks every final path anyway.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+
+SUFFIX = ".safetensors"
+_LOGGER = "vllm.vllm_gdn_hs.files"  # inside vLLM's logger tree, as init_logger names ours
+LOCK_SUFFIX = ".lock"
+# A name's stem is at most this long: with the suffixes (.safetensors.lock, our temp
+# suffix .tmp-<pid>-<thread>) it stays within the usual 255-byte limit of a file name.
+MAX_STEM = 160
+_SAFE = re.compile(rb"[A-Za-z0-9._-]")
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+# safetensors (0.5+) writes into a temp file of its own, ".tmp" + 6 random characters,
+# then renames it; ours is "<file>.tmp-<pid>-<thread id>".
+_OUR_TEMP = re.compile(re.escape(SUFFIX) + r"\.tmp-(\d+)-\d+$")
+_SAFETENSORS_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
+
+
+# -- names and paths ---------------------------------------------------------------------
+
+
+def file_name(request_id: str) -> str:
+    """The file name (without folder) for a request id; injective and safe as a name.
+
+    Encoding: each UTF-8 byte outside ``[A-Za-z0-9._-]`` becomes ``%XX`` (upper-case hex), and
+    so does a leading ``.``, so no name is hidden, ``.`` or ``..``; the empty id is ``%``.
+    A stem longer than :data:`MAX_STEM` keeps its first characters and ends in ``~`` and 32
+    hex digits of its SHA-256 (``~`` is never produced otherwise, so the two forms cannot
+    collide). Ordinary ids (``cmpl-<hex>-0-<hex>``) come out unchanged.
+    """
+    raw = request_id.encode("utf-8", "surrogatepass")
+    stem = "".join(
+        chr(b) if _SAFE.match(bytes([b])) and not (i == 0 and b == 0x2E) else f"%{b:02X}"
+        for i, b in enumerate(raw)
+    )
+    if not stem:
+        stem = "%"
+    if len(stem) > MAX_STEM:
+        digest = hashlib.sha256(raw).hexdigest()[:32]
+        stem = stem[: MAX_STEM - 33] + "~" + digest
+    return stem + SUFFIX
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether ``path`` (after resolving links and ``..``) lies inside ``folder``."""
+    if "\x00" in path or "\x00" in folder:
+        return False
+    root = os.path.realpath(folder)
+    return os.path.commonpath([root, os.path.realpath(path)]) == root != os.path.realpath(path)
+
+
+def request_path(folder: str, request_id: str) -> str:
+    """The absolute path of a request's file, checked to lie inside ``folder``."""
+    path = os.path.join(os.path.abspath(folder), file_name(request_id))
+    if not inside(path, folder):  # only a link planted in the folder could do this
+        raise ValueError(f"{path} resolves outside {folder}")
+    return path
+
+
+def custom_path(path: str, root: str) -> str:
+    """A client's own ``hidden_states_path``, absolute; ValueError unless it lies in ``root``."""
+    full = os.path.abspath(os.path.join(root, path)) if path and "\x00" not in path else ""
+    if not full or not inside(full, root) or not full.endswith(SUFFIX):
+        raise ValueError(
+            f"hidden_states_path {path[:200]!r} is not a {SUFFIX} file inside {root}: only "
+            "paths under the server's custom_save_root are allowed"
+        )
+    return full
+
+
+def is_temp(name: str) -> int | None:
+    """For a temp file's name: the pid of the writer that made it (0 when its name does not
+    tell, as for safetensors' own); None for any other name."""
+    if m := _OUR_TEMP.search(name):
+        return int(m.group(1))
+    return 0 if _SAFETENSORS_TEMP.match(name) else None
+
+
+def file_mode() -> int:
+    """The mode a new file gets under this process's umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it back at once
+    os.umask(mask)
+    return mask
+
+
+# -- the lock ----------------------------------------------------------------------------
+
+
+def take_lock(path: str) -> int:
+    """Create and ``flock`` ``<path>.lock`` (exclusive); returns its descriptor. Never waits:
+    a lock someone else holds raises BlockingIOError. A missing folder is made again (a
+    cleanup job may have removed it during a run)."""
+    lock = path + LOCK_SUFFIX
+    flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW
+    try:
+        fd = os.open(lock, flags, 0o666)
+    except FileNotFoundError:
+        make_folder_again(os.path.dirname(lock))
+        fd = os.open(lock, flags, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BlockingIOError(errno.EWOULDBLOCK, "another process holds it", lock) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_folder_lock = threading.Lock()
+
+
+def make_folder_again(folder: str) -> None:
+    """Make a folder that vanished during a run (logged once each time it is made)."""
+    with _folder_lock:
+        try:
+            os.makedirs(folder)
+        except FileExistsError:
+            return
+    logging.getLogger(_LOGGER).warning(
+        "hidden-states folder %s was removed during the run; made it again", folder
+    )
+
+
+def release_lock(fd: int | None, path: str, remove: bool) -> None:
+    """Let go of ``<path>.lock``; ``remove``: delete it first (no file will come, so a reader
+    fails at once instead of waiting)."""
+    if fd is None:  # use_synchronization_lock off: no lock file was made
+        return
+    try:
+        if remove:
+            try:
+                os.remove(path + LOCK_SUFFIX)
+            except FileNotFoundError:
+                pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def lock_held(lock_path: str) -> bool | None:
+    """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
+    shared lock, released at once: a writer taking its exclusive lock meanwhile waits
+    microseconds, it never fails."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def take_finished(path: str) -> bool:
+    """One non-blocking step of speculators' reader: False while a writer holds
+    ``<path>.lock``; else take the lock, delete it and require the file. FileNotFoundError
+    when neither exists (the write failed, or the request was aborted)."""
+    lock = path + LOCK_SUFFIX
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        release_lock(fd, path, remove=True)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no hidden-states file at {path} (write failed or aborted?)")
+    return True
+
+
+def wait_for_file(path: str, timeout: float = 10.0) -> None:
+    """Wait until ``path`` is complete, as speculators' reader does: poll
+    :func:`take_finished` for up to ``timeout`` s; TimeoutError if the lock is still held."""
+    deadline = time.monotonic() + timeout
+    while not take_finished(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}{LOCK_SUFFIX} still held after {timeout} s")
+        time.sleep(0.01)
+
+
+def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
+    """``{"hidden_states": [T, L, H], "token_ids": [T]}`` once the file is complete."""
+    from safetensors.torch import load_file
+
+    wait_for_file(path, timeout)
+    return load_file(path)
+
+
+# -- the write ---------------------------------------------------------------------------
+
+
+def write_file(path, hidden_states, token_ids) -> None:
+    """Write atomically: a temp file in the same folder, then rename; mode as the umask gives
+    (safetensors' own temp file is 0600). A missing folder is made again."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        try:
+            save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
+        except Exception:  # safetensors raises its own error type for I/O errors
+            if os.path.isdir(os.path.dirname(path)):
+                raise
+            make_folder_again(os.path.dirname(path))
+            save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# -- the header --------------------------------------------------------------------------
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def read_header(path: str) -> dict:
+    """The tensors of a safetensors file's header, each checked against the file: its
+    ``data_offsets`` match its shape and dtype, tensors tile the data with no gap or overlap,
+    and the data ends where the file does. ValueError naming what is wrong. Opens regular
+    files only (never blocks on a FIFO or device)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not _is_regular(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"truncated: {size} bytes, no safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise ValueError(f"truncated or not safetensors: header of {n} bytes in {size}")
+        try:
+            meta = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError("not safetensors: header is not JSON") from None
+    if not isinstance(meta, dict):
+        raise ValueError("not safetensors: header is not a JSON object")
+    tensors = {k: v for k, v in meta.items() if k != "__metadata__"}
+    spans = []
+    for name, t in tensors.items():
+        try:
+            begin, end = (int(x) for x in t["data_offsets"])
+            count = 1
+            for d in t["shape"]:
+                count *= int(d)
+            want = count * _DTYPE_BYTES[t["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"not safetensors: tensor {name!r} has no valid dtype, shape and "
+                             "data_offsets") from None  # fmt: skip
+        if end - begin != want:
+            raise ValueError(f"tensor {name!r}: data_offsets span {end - begin} bytes, its shape "
+                             f"{t['shape']} {t['dtype']} needs {want}")  # fmt: skip
+        spans.append((begin, end))
+    at = 0
+    for begin, end in sorted(spans):
+        if begin != at:
+            raise ValueError(f"data_offsets leave a gap or overlap at byte {at}")
+        at = end
+    if 8 + n + at != size:
+        raise ValueError(f"truncated: {size} bytes, the header says {8 + n + at}")
+    return tensors
+
+
+def _is_regular(mode: int) -> bool:
+    import stat
+
+    return stat.S_ISREG(mode)
+
+
+def layout(tensors: dict) -> tuple[int, int, int, str]:
+    """(tokens, layers, hidden, dtype) of a speculators file; ValueError if it is not one."""
+    hs, ids = tensors.get("hidden_states"), tensors.get("token_ids")
+    if hs is None or ids is None:
+        raise ValueError(f"not a hidden-states file: tensors {sorted(tensors)}")
+    if len(hs["shape"]) != 3 or hs["shape"][0] == 0:
+        raise ValueError(f"hidden_states shape {hs['shape']}, not [tokens, layers, hidden]")
+    t, layers, hidden = hs["shape"]
+    if ids["dtype"] != "I64" or ids["shape"] != [t]:
+        raise ValueError(f"token_ids {ids['dtype']} {ids['shape']} for {t} rows (want I64 [{t}])")
+    return t, layers, hidden, hs["dtype"]
+
+
+# -- the rows ----------------------------------------------------------------------------
+
+
+def row_norms(hidden_states):
+    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row.
+
+    Computed next to the device-to-host copy (on the GPU in production), so the
+    host checks T x L numbers instead of scanning every value.
+    """
+    import torch
+
+    return torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
+
+
+def check_norms(norms) -> str | None:
+    """Why rows with these norms must not be shipped, or None."""
+    import torch
+
+    bad = ~torch.isfinite(norms).all(1)
+    if bad.any():
+        return f"non-finite values at token positions {bad.nonzero().flatten()[:5].tolist()}"
+    zero = (norms == 0).any(1)
+    if zero.any():
+        return f"all-zero rows at token positions {zero.nonzero().flatten()[:5].tolist()}"
+    return None
+
+
+def check_rows(hidden_states) -> str | None:
+    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
+    return check_norms(row_norms(hidden_states))
+
+
+def check_storage_path(path: str) -> str | None:
+    """Why ``path`` cannot hold hidden-states files (it is made if missing), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        return str(e)
+    return None
