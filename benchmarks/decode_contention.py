@@ -4,7 +4,7 @@ In decode, every step hands the writer one row per running request (256 at vLLM'
 max_num_seqs), and the writer's drain thread files each row into its request's buffer. That
 thread shares the GIL with the engine thread, which in eager mode spends the step issuing
 about a thousand small operator calls (kernel launches). This script stands a loop of small
-torch operator calls in for the engine's step, feeds the real HiddenStatesWriter one decode
+torch operator calls in for the engine's step, feeds the real worker side one decode
 step per engine step, and reports the engine's step time against the same loop without the
 writer (in the same process, in alternating blocks of 10 steps; the writer is idle when
 a block without it starts).
@@ -28,14 +28,14 @@ import time
 
 import torch
 
-import vllm_gdn_hs.connector as connector
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector import request_rows, staging
+from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
-    HiddenStatesConfig,
-    HiddenStatesWriter,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import merge_results  # noqa: E402
@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> dict:
     shutil.rmtree(args.out_dir, ignore_errors=True)
     os.makedirs(args.out_dir)
     if args.skip_filing:
-        connector._RequestBuffer.defer = lambda self, *a: None
+        request_rows.RequestRows.defer = lambda self, *a: None
     torch.set_num_threads(1)
     cfg = HiddenStatesConfig(shared_storage_path=args.out_dir)
-    writer = HiddenStatesWriter(
+    writer = HybridHiddenStatesConnectorWorker(
         cfg,
         max_tokens=args.requests,
         num_layers=args.layers,
@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> dict:
     writer.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=reqs))
     ids = [r.req_id for r in reqs]
     rows = torch.randn(args.requests, args.layers, args.hidden).to(torch.bfloat16)
-    norms = connector.row_norms(rows)  # computed on the GPU in production
-    connector.row_norms = lambda h: norms[: h.shape[0]]
+    norms = staging.row_norms(rows)  # computed on the GPU in production
+    staging.row_norms = lambda h: norms[: h.shape[0]]
     qsl = torch.arange(args.requests + 1)
     x = torch.zeros(16)
     # Prefill: each request's prompt rows, so decode rows extend filled buffers.

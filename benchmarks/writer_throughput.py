@@ -1,6 +1,6 @@
 """Host-side throughput of the connector's worker half, without a GPU.
 
-Feeds HiddenStatesWriter (the same code the GPU path runs after the device-to-host
+Feeds HybridHiddenStatesConnectorWorker (the same code the GPU path runs after the device-to-host
 copy) one scheduling step at a time, at the Qwen3.6-27B row size, and times rows
 in -> files complete: the scatter into per-request buffers, the row checks and the
 safetensors writes. If this is well above the GPU's prefill rate, the host side is
@@ -20,20 +20,20 @@ import time
 
 import torch
 
-import vllm_gdn_hs.connector as connector
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector import staging
+from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
-    HiddenStatesConfig,
-    HiddenStatesWriter,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.files import wait_for_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import merge_results  # noqa: E402
 
-_row_norms = connector.row_norms  # the real one; run() stands a precomputed copy in for it
+_row_norms = staging.row_norms  # the real one; run() stands a precomputed copy in for it
 
 
 @torch.inference_mode()
@@ -52,7 +52,7 @@ def run(
     cfg = HiddenStatesConfig(
         shared_storage_path=out_dir, write_workers=workers, validate_rows=validate
     )
-    writer = HiddenStatesWriter(
+    writer = HybridHiddenStatesConnectorWorker(
         cfg,
         max_tokens=step_tokens,
         num_layers=layers,
@@ -66,7 +66,7 @@ def run(
     ]
     rows = torch.randn(step_tokens, layers, hidden).to(torch.bfloat16)
     norms = _row_norms(rows)  # on the GPU in production
-    connector.row_norms = lambda h: norms[: h.shape[0]]
+    staging.row_norms = lambda h: norms[: h.shape[0]]
     start = time.perf_counter()
     writer.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=reqs))
     per_step = max(1, step_tokens // tokens)  # whole prompts per step, as unchunked prefill

@@ -1,7 +1,7 @@
 """benchmarks/bench.py: log parsing against the writer's real log lines; the --budget rule.
 
 Run: python -m pytest tests/test_bench.py -q
-Covers: the writer's progress and shutdown lines, as HiddenStatesWriter logs them through
+Covers: the writer's progress and shutdown lines, as the worker side logs them through
 vLLM's logger, are found in an engine log and stored in the record (writer_log).
 """
 
@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
-    HiddenStatesConfig,
-    HiddenStatesWriter,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import bench  # noqa: E402
@@ -29,7 +29,7 @@ import bench  # noqa: E402
 
 def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    w = HiddenStatesWriter(
+    w = HybridHiddenStatesConnectorWorker(
         HiddenStatesConfig(shared_storage_path=str(tmp_path)),
         max_tokens=8,
         num_layers=2,

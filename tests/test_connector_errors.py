@@ -17,7 +17,9 @@ import pytest
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from vllm_gdn_hs.connector import HiddenStatesConfig, HybridHiddenStatesConnector, config_from
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+from vllm_gdn_hs.connector.checks import config_from
 
 
 def make(cfg, role=KVConnectorRole.SCHEDULER):
@@ -37,7 +39,7 @@ def test_valid_config_starts(hybrid_model, tmp_path):
     cfg = harness.engine_config(hybrid_model, storage=str(storage), layer_ids=(8, 1, 4))
     conn = make(cfg)
     assert conn.layer_ids == [8, 1, 4]
-    assert conn.storage_path == str(storage)
+    assert conn._scheduler.storage_path == str(storage)
     assert storage.is_dir() and os.listdir(storage) == []  # created, probe removed
 
 

@@ -211,7 +211,7 @@ def test_abort_after_scheduling(sched):
     assert (rid, status, result) == ("gone", RequestStatus.FINISHED_ABORTED, (False, None))
     so = sched.schedule()
     assert meta_of(so).finished_requests == [FinishedRequest("gone", None)]
-    assert "gone" not in sched.connector._paths
+    assert "gone" not in sched.connector._scheduler._paths
 
 
 def test_abort_while_waiting_tells_worker_nothing(sched):

@@ -1,7 +1,7 @@
-"""The connector's worker side on CPU: HiddenStatesWriter, the .lock protocol, the files.
+"""The connector's worker side on CPU (HybridHiddenStatesConnectorWorker), locks, files.
 
 Run: python -m pytest tests/test_connector_worker.py -q (no GPU, no network).
-Covers HiddenStatesWriter end to end with device=cpu (the same drain thread and write pool
+Covers the worker side end to end with device=cpu (the same drain thread and write pool
 as on a GPU; only the device-to-host copy is a plain copy): the lock is created and
 flock-held from the moment a request is known until its file is complete; rows of several
 requests per step, chunked prefill and overwritten positions; exact [T, L, H] bf16 files
@@ -26,19 +26,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_gdn_hs import connector as conn_mod
 from vllm_gdn_hs import files
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector import request_rows, worker
+from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
-    HiddenStatesConfig,
-    HiddenStatesWriter,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.files import check_rows, write_file
 
 L, H = 3, 16
-LOGGER = conn_mod.logger.name
+LOGGER = worker.logger.name
 
 
 @pytest.fixture
@@ -48,8 +48,8 @@ def storage(tmp_path):
     return path
 
 
-def make_writer(storage, **cfg) -> HiddenStatesWriter:
-    return HiddenStatesWriter(
+def make_writer(storage, **cfg) -> HybridHiddenStatesConnectorWorker:
+    return HybridHiddenStatesConnectorWorker(
         HiddenStatesConfig(shared_storage_path=str(storage), **cfg),
         max_tokens=128,
         num_layers=L,
@@ -193,16 +193,14 @@ def test_reserved_output_rows_and_a_long_run(writer, storage):
 def test_reservation_refused_falls_back_to_growing(writer, storage, monkeypatch):
     # Under strict overcommit a reservation of prompt + max_tokens rows can be refused;
     # the buffer then holds the prompt and grows for the outputs.
-    import vllm_gdn_hs.connector as connector
-
-    real = connector._grow
+    real = request_rows._grow
 
     def grow(t, cap):
         if cap > 1000:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return real(t, cap)
 
-    monkeypatch.setattr(connector, "_grow", grow)
+    monkeypatch.setattr(request_rows, "_grow", grow)
     data = rows(5)
     writer.on_metadata(
         HybridHiddenStatesConnectorMetadata(

@@ -30,9 +30,8 @@ from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from vllm_gdn_hs import connector as conn_mod
 from vllm_gdn_hs import files
-from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+from vllm_gdn_hs.connector import HybridHiddenStatesConnector, request_rows
 
 _ABS = f"/tmp/vllm-gdn-hs-hostile-{uuid.uuid4().hex[:8]}"  # must never come into being
 HOSTILE_IDS = {
@@ -230,7 +229,7 @@ def test_an_earlier_unread_file_is_never_overwritten(hybrid_model, root, monkeyp
     for _ in range(3):
         eng.step()
     first = eng.outputs.pop("same")
-    assert eng.worker._writer.drained(30)
+    assert eng.worker._worker.drained(30)
     eng.add(engine_request("same", [9, 9]))
     for _ in range(3):
         eng.step()
@@ -300,7 +299,7 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
 
         return fn
 
-    buf_cls = conn_mod._RequestBuffer
+    buf_cls = request_rows.RequestRows
     name_of = {files.file_name(victim): victim}
     if stage == "path":
         monkeypatch.setattr(
@@ -308,9 +307,9 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
         )
     elif stage == "lock":
         monkeypatch.setattr(
-            conn_mod,
+            request_rows,
             "take_lock",
-            for_victim(conn_mod.take_lock, lambda p: name_of.get(os.path.basename(p))),
+            for_victim(request_rows.take_lock, lambda p: name_of.get(os.path.basename(p))),
         )
     elif stage == "host-buffer":
         monkeypatch.setattr(

@@ -89,7 +89,7 @@ def test_user_flags_reach_vllm(dense_model, tmp_path):
 
 
 def test_connector_options_reach_the_connector(hybrid_model, tmp_path):
-    from vllm_gdn_hs.connector import config_from
+    from vllm_gdn_hs.connector.checks import config_from
 
     cfg = _vllm_config(
         [

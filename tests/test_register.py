@@ -221,7 +221,7 @@ def test_every_runtime_patch_has_a_source_twin(release, name):
 
 
 _LOG = """
-import vllm_gdn_hs.connector as c, vllm_gdn_hs.patch.patch_config_vllm as p
+import vllm_gdn_hs.connector.worker as c, vllm_gdn_hs.patch.patch_config_vllm as p
 c.logger.info("connector line")
 p.logger.info("patch line")
 """

@@ -108,7 +108,7 @@ def __post_init__(self: VllmConfig) -> None:
         self.scheduler_config.disable_hybrid_kv_cache_manager = False
     _orig_post_init(self)
     if kv is not None and kv.kv_connector == CONNECTOR_NAME and self.model_config is not None:
-        from vllm_gdn_hs.connector import validate_vllm_config
+        from vllm_gdn_hs.connector.checks import validate_vllm_config
 
         validate_vllm_config(self)  # fail now, not after the model is loaded
 

@@ -20,8 +20,11 @@ How, only when the connector is configured:
   the original, the aux states and positions of the scheduled tokens are copied,
   layers in the configured order, into buffers of our own (so CUDA-graph outputs
   and the runner's inputs can be reused at once) and handed to the connector
-  with the step's request ids and query start locations. The connector copies
-  them to pinned host memory on a side stream; nothing here waits on the GPU.
+  with the step's request ids and query start locations, through
+  ``vllm_gdn_hs.hook.TakesHiddenStates`` (the active connector, or ours inside
+  ``MultiConnector``; any other connector is refused with a message at the first
+  step). The connector copies them to pinned host memory on a side stream;
+  nothing here waits on the GPU.
 
 Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
 without speculative decoding. Source twin: ``patches/<vllm version>/0004-*.patch``.
@@ -35,6 +38,7 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.hook import hidden_states_connector
 from vllm_gdn_hs.patch import Patch
 
 _orig_init = GPUModelRunner.__init__
@@ -127,7 +131,9 @@ def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tens
     num_tokens = int(query_start_loc[-1])
     if num_tokens == 0:
         return
-    connector = get_kv_transfer_group()
+    connector = getattr(self, "hidden_states_connector", None)
+    if connector is None:  # first real step: the connector exists only after profiling
+        connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
     connector.wait_staging_free()  # GPU-side wait for the last step's copy out
     rows = self.hidden_states_buffer[:num_tokens]
     torch.stack(

@@ -1,0 +1,160 @@
+"""HybridHiddenStatesConnector: hidden states streamed out of the GPU every step.
+
+Mirrors vLLM's ``ExampleHiddenStatesConnector`` (same request, file and
+``kv_transfer_params`` contract, the one speculators reads) but never keeps hidden states in
+the paged KV cache, and subclasses ``SupportsHMA`` so GDN hybrid models (Qwen3.5/3.6) run with
+the hybrid KV cache manager on. Like vLLM's ``OffloadingConnector`` it is a thin facade that
+hands each call to its side:
+
+- :mod:`.scheduler`: which file each request gets (``vllm_gdn_hs.files``), and the token ids
+  to write once it finishes;
+- :mod:`.worker`: the rows of each step, from the runner's GPU step buffer through the pinned
+  host ring (:mod:`.staging`) into each request's rows (:mod:`.request_rows`), then the file;
+- :mod:`.metadata`: what the scheduler side tells the worker side each step;
+- :mod:`.checks`: the startup checks.
+
+The runner patch (``patch/patch_worker_gpu_model_runner.py``) hands over each step's rows
+through :class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements. The
+``extract_hidden_states`` speculative config that speculators passes only carries the layer
+ids: the config patch turns it into ``kv_connector_extra_config["layer_ids"]`` and runs no
+speculative decoding (``patch/patch_config_vllm.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_gdn_hs.connector.checks import config_from, validate_vllm_config
+from vllm_gdn_hs.connector.metadata import (
+    FinishedRequest,
+    HybridHiddenStatesConnectorMetadata,
+    NewRequest,
+)
+from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
+from vllm_gdn_hs.hook import TakesHiddenStates
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = [
+    "FinishedRequest",
+    "HybridHiddenStatesConnector",
+    "HybridHiddenStatesConnectorMetadata",
+    "NewRequest",
+]
+
+
+class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenStates):
+    """Writes each request's hidden states to one safetensors file."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.cfg = config_from(vllm_config)
+        self.layer_ids = validate_vllm_config(vllm_config)
+        self._scheduler: HybridHiddenStatesConnectorScheduler | None = None
+        self._worker: HybridHiddenStatesConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = HybridHiddenStatesConnectorScheduler(
+                self.cfg, self.layer_ids, vllm_config.model_config.max_model_len
+            )
+        elif _is_writer_rank():  # only tensor-parallel rank 0 writes
+            self._worker = HybridHiddenStatesConnectorWorker(
+                self.cfg,
+                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                num_layers=len(self.layer_ids),
+                hidden=vllm_config.model_config.get_hidden_size(),
+                dtype=vllm_config.model_config.dtype,
+                device=torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu"),
+            )
+
+    # ==============================
+    # Worker side
+    # ==============================
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, HybridHiddenStatesConnectorMetadata)
+            self._worker.on_metadata(meta)
+
+    def wait_staging_free(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_staging_free()
+
+    def save_hidden_states(
+        self,
+        hidden_states: torch.Tensor,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        if self._worker is not None:
+            self._worker.save(hidden_states, req_ids, query_start_loc_cpu, positions)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        pass  # nothing lives in the KV cache
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler.on_allocated(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._scheduler.on_finished(request)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+
+def _is_writer_rank() -> bool:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().rank_in_group == 0

@@ -1,0 +1,67 @@
+"""The connector's startup checks: its options and the engine config it can run with. Each error
+names the fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.config import HiddenStatesConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    try:
+        return HiddenStatesConfig(**extra)
+    except Exception as e:
+        raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
+
+
+def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
+    """Startup checks; each error names the fix. Returns the layer ids."""
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        raise ValueError(
+            f"{CONNECTOR_NAME} extracts hidden states without speculative decoding; "
+            f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
+            '{"method": "extract_hidden_states", ...} only to pass the layer ids'
+        )
+    layer_ids = list(config_from(vllm_config).layer_ids)
+    if not layer_ids:
+        raise ValueError(
+            f"{CONNECTOR_NAME} needs the layer ids to extract: pass --speculative-config "
+            '\'{"method": "extract_hidden_states", "num_speculative_tokens": 1, '
+            '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}}\' '
+            'or "layer_ids": [...] in kv_connector_extra_config'
+        )
+    n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME} does not support pipeline parallelism: use tensor or data "
+            "parallelism (--tensor-parallel-size / --data-parallel-size) instead of "
+            "--pipeline-parallel-size"
+        )
+    from vllm_gdn_hs.model_info import validate_layer_ids
+
+    try:
+        validate_layer_ids(layer_ids, n)
+    except ValueError as e:
+        raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
+    import vllm.envs as envs
+
+    # vLLM 0.26.0 decides the runner in VllmConfig (the runner patch keeps it on V1);
+    # vLLM 0.20.1 only by the environment variable.
+    if getattr(vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER):
+        raise ValueError(
+            f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner: unset "
+            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)"
+        )
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            f"{CONNECTOR_NAME} does not support prefix caching (cached prefixes have no hidden "
+            "states): pass --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
+        )
+    return layer_ids
