@@ -5,6 +5,8 @@ Run on a CUDA machine with the plugin installed:
 Optional: SPECULATORS_SITE=/path/to/site with the speculators wheel unpacked, to
 drive the server with speculators' own client (speculators.data_generation.vllm_client).
 Set VLLM_GDN_HS_LAUNCH_RESULTS=/path.json to keep the figures.
+Files are judged against HF fp32 on the same weights (vllm_gdn_hs.reference): each file
+within the per-file bound, then each test's files, pooled, within the bar.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ import time
 import urllib.request
 
 import pytest
+from test_gpu_extract import assert_pooled, pooled_figures
 
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import file_problems, hf_hidden_states, load_hf_model, relative_errors
+from vllm_gdn_hs.reference import HFReference, describe, describe_pooled, worst_by_layer
 from vllm_gdn_hs.testing import build_tiny_hybrid
 
 pytestmark = pytest.mark.gpu
 
 LAYERS = [1, 3, 6]  # the launcher appends N = 8
-BAR = 0.03
 RESULTS: dict = {}
 
 
@@ -129,24 +131,35 @@ def _save_results() -> None:
 
 @pytest.fixture(scope="module")
 def hf(tiny_model):
-    return load_hf_model(tiny_model)
+    """HF fp32 and bf16 references of the tiny model, for the launcher's layers."""
+    ref = HFReference(tiny_model, LAYERS + [8])
+    yield ref
+    ref.close()
 
 
-def _check(hf, prompt, path, name):
-    data = load_hidden_states(path, timeout=30)
-    layers = LAYERS + [8]
-    problems = file_problems(data, prompt, len(layers), hf.config.get_text_config().hidden_size)
-    assert not problems, f"{name}: {problems}"
-    errs = relative_errors(data["hidden_states"], hf_hidden_states(hf, [prompt], layers)[0])
-    assert max(errs) <= BAR, f"{name}: {errs}"
-    return max(errs)
+def _check(hf, prompt, path, name) -> dict:
+    """The file at ``path`` complete, sane and within the per-file bound; its
+    HFReference.check result (its errors pooled into hf's run: see _run_figures)."""
+    result = hf.check(load_hidden_states(path, timeout=30), prompt)
+    assert not result["problems"], f"{name}: {result['problems']}"
+    return result
+
+
+def _run_figures(hf, checks: list[dict], name: str) -> dict:
+    """The figures to keep of the run hf checked since its reset() (``checks``, each file
+    already asserted): the worst in one file and, per layer, the errors pooled over the
+    files, of ours and of HF bf16. The caller keeps them, then asserts the pooled bar."""
+    worst, pooled = worst_by_layer(checks), hf.pooled()
+    print(f"\n{name}: {describe_pooled(pooled)}\n  one file at worst: {describe(worst)}")
+    return {"files": len(checks), **worst, "pooled_vs_fp32": pooled_figures(pooled)}
 
 
 def test_completions_like_speculators(server, hf):
     """POST /v1/completions with token ids, max_tokens=1, return_token_ids=true."""
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 1000) for _ in range(n)] for n in (1, 17, 100, 700)]
-    worst = 0.0
+    hf.reset()  # this test's files are one run
+    checks = []
     for prompt in prompts:
         resp = _post(
             server["url"] + "/v1/completions",
@@ -156,9 +169,9 @@ def test_completions_like_speculators(server, hf):
         path = resp["kv_transfer_params"]["hidden_states_path"]
         assert os.path.isabs(path) and path.startswith(str(server["storage"]))
         assert os.path.exists(path) or os.path.exists(path + ".lock"), "lock protocol broken"
-        worst = max(worst, _check(hf, prompt, path, f"{len(prompt)} tokens"))
-    RESULTS["completions"] = {"files": len(prompts), "max_rel_err": round(worst, 4)}
-    print(f"\n/v1/completions: {len(prompts)} files, max rel err {worst:.4f}")
+        checks.append(_check(hf, prompt, path, f"{len(prompt)} tokens"))
+    RESULTS["completions"] = _run_figures(hf, checks, "/v1/completions")
+    assert_pooled("/v1/completions", hf.pooled())
 
 
 def _speculators_client():
@@ -179,7 +192,8 @@ def test_speculators_client(server, hf):
     client_mod = _speculators_client()
     client = openai.Client(base_url=server["url"] + "/v1", api_key="none")
     rng = random.Random(1)
-    worst = 0.0
+    hf.reset()  # this test's files are one run
+    checks = []
     for n in (5, 64, 300):
         prompt = [rng.randrange(0, 1000) for _ in range(n)]
         handle, params = client_mod.generate_hidden_states(
@@ -191,10 +205,7 @@ def test_speculators_client(server, hf):
 
         data = load_file(handle)
         assert data["token_ids"].tolist() == prompt
-        errs = relative_errors(
-            data["hidden_states"], hf_hidden_states(hf, [prompt], LAYERS + [8])[0]
-        )
-        worst = max(worst, *errs)
-        assert max(errs) <= BAR
-    RESULTS["speculators_client"] = {"files": 3, "max_rel_err": round(worst, 4)}
-    print(f"\nspeculators client: 3 files, max rel err {worst:.4f}")
+        checks.append(hf.check(data, prompt))
+        assert not checks[-1]["problems"], f"{n} tokens: {checks[-1]['problems']}"
+    RESULTS["speculators_client"] = _run_figures(hf, checks, "speculators client")
+    assert_pooled("speculators client", hf.pooled())

@@ -18,7 +18,13 @@ _MM_IDS = dict(
 )
 
 
-def hybrid_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> dict:
+def hybrid_config_dict(
+    num_hidden_layers: int = 8,
+    hidden_size: int = 256,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+) -> dict:
+    """Qwen3.5 config; GDN key and value heads of 64 dims (value heads a multiple of key heads)."""
     layer_types = [
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
         for i in range(num_hidden_layers)
@@ -32,8 +38,8 @@ def hybrid_config_dict(num_hidden_layers: int = 8, hidden_size: int = 256) -> di
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         linear_conv_kernel_dim=4,
@@ -138,14 +144,17 @@ def build_model(path: str, config: dict, seed: int = 0) -> str:
     return path
 
 
-def load_text_model(path: str, device: str = "cuda"):
-    """The HF causal LM of a model folder (the language model of a multimodal one)."""
+def load_text_model(path: str, device: str = "cuda", dtype=None):
+    """The HF causal LM of a model folder (the language model of a multimodal one), in
+    ``dtype`` (default bf16, as saved; fp32 upcasts the same bf16 weights)."""
     import torch
     from safetensors.torch import load_file
 
+    dtype = dtype or torch.bfloat16
+
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    model = _text_model(config).to(torch.bfloat16)
+    model = _text_model(config).to(dtype)
     state = load_file(os.path.join(path, "model.safetensors"))
     if "vision_config" in config:
         new, old = _MM_PREFIX
@@ -160,6 +169,17 @@ def load_text_model(path: str, device: str = "cuda"):
 
 def build_tiny_hybrid(path: str, **kw) -> str:
     return build_model(path, hybrid_config_dict(**kw))
+
+
+# Deeper, wider and with GDN value heads = 3 x key heads, as in Qwen3.6-27B: bf16 error
+# grows with depth, so this is where a bar of fixed size fails first.
+DEEP_HYBRID = dict(
+    num_hidden_layers=12, hidden_size=384, linear_num_key_heads=2, linear_num_value_heads=6
+)
+
+
+def build_deep_hybrid(path: str) -> str:
+    return build_model(path, hybrid_config_dict(**DEEP_HYBRID))
 
 
 def build_tiny_dense(path: str, **kw) -> str:
