@@ -386,21 +386,13 @@ def engine_kwargs(spec: dict) -> dict:
     )
     connector = CONNECTORS.get(spec["variant"])
     if connector:
-        kw["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": spec["layers"]}
-            },
-        }
-        kw["kv_transfer_config"] = {
-            "kv_connector": connector,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {
-                "shared_storage_path": spec["out_dir"],
-                **spec.get("connector_config", {}),
-            },
-        }
+        from vllm_gdn_hs.config import extraction_config
+
+        kw.update(
+            extraction_config(
+                spec["layers"], spec["out_dir"], connector, **spec.get("connector_config", {})
+            )
+        )
     kw.update(spec["extra_engine_kwargs"])
     return kw
 
@@ -773,12 +765,12 @@ def plugin_problem() -> str | None:
             "install it: python3 -m pip install --no-deps --no-build-isolation --no-index "
             "--target /tmp/site ."
         )
-    reqs = metadata.requires("vllm-gdn-hs") or []
-    pins = [re.fullmatch(r"vllm\s*==\s*([\w.]+)", r) for r in reqs]
-    want = [m[1] for m in pins if m]
-    have = (dist_version("vllm") or "none").split("+")[0]
-    if want and have not in want:
-        return f"skipped: vllm-gdn-hs supports vllm {', '.join(want)}, found vllm {have}"
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
+
+    try:
+        check_vllm()
+    except UnsupportedVllmError as e:
+        return f"skipped: {e}"
     return None
 
 

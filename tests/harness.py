@@ -58,6 +58,7 @@ except AttributeError:
 from vllm.config import VllmConfig, get_layers_from_vllm_config, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
+from vllm_gdn_hs.config import extraction_config  # noqa: E402
 from vllm_gdn_hs.model_info import read_model_info  # noqa: E402
 
 STOCK = "ExampleHiddenStatesConnector"
@@ -71,21 +72,11 @@ def engine_args(
     storage: str = "/tmp/hidden_states_test",
     **kw,
 ) -> EngineArgs:
-    extra = {}
-    if layer_ids is not None:
-        extra["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
-            },
-        }
-    if connector is not None:
-        extra["kv_transfer_config"] = {
-            "kv_connector": connector,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        }
+    extra = extraction_config(layer_ids or [], storage, connector)
+    if layer_ids is None:
+        del extra["speculative_config"]
+    if connector is None:
+        del extra["kv_transfer_config"]
     kw.setdefault("max_model_len", 2048)
     if read_model_info(model).multimodal:
         kw.setdefault("language_model_only", True)

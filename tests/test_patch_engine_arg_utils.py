@@ -52,12 +52,3 @@ def test_explicit_true_kept_then_refused_by_connector(dense_model, tmp_path):
 def test_other_connectors_untouched(dense_model, connector):
     cfg = harness.engine_config(dense_model, connector=connector)
     assert cfg.cache_config.enable_prefix_caching is True
-
-
-def test_connector_name_from_dict_or_object():
-    from vllm.config import KVTransferConfig
-
-    name = patch_engine_arg_utils._connector_name
-    assert name({"kv_connector": harness.OURS}) == harness.OURS
-    assert name(KVTransferConfig(kv_connector=harness.OURS, kv_role="kv_producer")) == harness.OURS
-    assert name(None) is None

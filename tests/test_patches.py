@@ -70,7 +70,7 @@ def test_series_is_one_twin_per_runtime_patch_in_order(release):
     # whose Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py.
     from vllm_gdn_hs.patch import PATCHES as RUNTIME_PATCHES
 
-    series, modules = _series(release), RUNTIME_PATCHES[release]
+    series, modules = _series(release), RUNTIME_PATCHES
     assert len(series) == len(modules), (series, modules)
     for index, (name, module) in enumerate(zip(series, modules, strict=True), start=1):
         assert name.startswith(f"{index:04d}-"), name

@@ -93,7 +93,7 @@ def test_register_is_idempotent():
     assert KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME] is loader
 
 
-@pytest.mark.parametrize("name", patch.PATCHES["0.20.1"])
+@pytest.mark.parametrize("name", patch.PATCHES)
 def test_applied_patch_refuses_second_apply(name):
     import importlib
 
@@ -144,7 +144,7 @@ def test_supported_vllm_is_the_pyproject_pin():
 def test_installed_vllm_is_supported():
     installed = installed_vllm()
     assert check_vllm() == installed and installed.base_version in supported_releases()
-    assert patch.patches_for() == patch.PATCHES[installed.base_version]
+    assert patch.patches_for() == patch.PATCHES
     # A local build of a supported release is the same release.
     assert check_vllm(Version("0.20.1+cu130")) == Version("0.20.1+cu130")
     assert check_vllm(Version("0.26.0")) == Version("0.26.0")
@@ -197,19 +197,48 @@ def test_unsupported_vllm_warns_and_stays_out_of_the_way(run_python):
     assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
 
 
+_PLAIN_CONFIG = """
+import json, sys
+import harness
+from vllm.engine.arg_utils import EngineArgs
+out = {}
+for model in sys.argv[1:]:
+    c = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=2048,
+                   language_model_only="hybrid" in model).create_engine_config()
+    out[model] = dict(
+        hash=c.compute_hash(), prefix_caching=c.cache_config.enable_prefix_caching,
+        hma=not c.scheduler_config.disable_hybrid_kv_cache_manager,
+        spec=repr(c.speculative_config), kv=repr(c.kv_transfer_config))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_patches_are_inert_without_our_connector(run_python, hybrid_model, dense_model):
+    """The patches are applied in every vLLM process; an engine that does not name our
+    connector gets exactly the config it gets from stock vLLM."""
+    code = _PLAIN_CONFIG.replace("sys.argv[1:]", repr([hybrid_model, dense_model]))
+    results = []
+    for plugins in (True, False):
+        proc = run_python(code, plugins=plugins)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    assert results[0] == results[1]
+
+
 def test_unsupported_vllm_has_no_patches():
     assert patch.patches_for("0.19.0") == ()
 
 
 def test_every_patch_module_has_a_test_module():
     tests = os.path.dirname(os.path.abspath(__file__))
-    for version, names in patch.PATCHES.items():
-        for name in names:
+    for version in supported_releases():
+        for name in patch.PATCHES:
             assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), (version, name)
 
 
 @pytest.mark.parametrize(
-    "release, name", [(r, n) for r, names in patch.PATCHES.items() for n in names]
+    "release, name", [(r, n) for r in supported_releases() for n in patch.PATCHES]
 )
 def test_every_runtime_patch_has_a_source_twin(release, name):
     # patch_worker_gpu_model_runner -> a file naming worker, gpu, model and runner

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
+from vllm_gdn_hs import CONNECTOR_NAME
+
 
 class HiddenStatesConfig(BaseModel):
     """``kv_connector_extra_config`` of the connector."""
@@ -61,3 +63,34 @@ def request_params(raw: object) -> RequestParams:
             for err in e.errors()
         )
         raise ValueError(problems) from None
+
+
+def extraction_config(
+    layer_ids: list[int], storage: str, connector: str | None = None, **options
+) -> dict:
+    """The engine settings for hidden-state extraction, as speculators asks for it: the
+    ``extract_hidden_states`` speculative config (it carries only the layer ids) and the KV
+    transfer config of ``connector`` (default ours) writing to ``storage``, with connector
+    ``options``. Keyword arguments for ``LLM(...)``/``EngineArgs``; the launcher passes the
+    same two as JSON to ``vllm serve``."""
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
+            },
+        },
+        "kv_transfer_config": {
+            "kv_connector": connector or CONNECTOR_NAME,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": storage, **options},
+        },
+    }
+
+
+def is_ours(kv_transfer_config) -> bool:
+    """Whether a KV transfer config (vLLM's object, a dict, or None) names our connector."""
+    if isinstance(kv_transfer_config, dict):
+        return kv_transfer_config.get("kv_connector") == CONNECTOR_NAME
+    return getattr(kv_transfer_config, "kv_connector", None) == CONNECTOR_NAME

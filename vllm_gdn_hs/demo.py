@@ -27,6 +27,7 @@ def run_demo(workdir: str) -> int:
         return 1
     from vllm import LLM, SamplingParams
 
+    from vllm_gdn_hs.config import extraction_config
     from vllm_gdn_hs.files import load_hidden_states
     from vllm_gdn_hs.reference import (
         file_problems,
@@ -47,16 +48,7 @@ def run_demo(workdir: str) -> int:
         max_model_len=2048,
         gpu_memory_utilization=0.3,
         additional_config={"gdn_prefill_backend": "triton"},
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
-        },
-        kv_transfer_config={
-            "kv_connector": "HybridHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        },
+        **extraction_config(LAYERS, storage),
     )
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False

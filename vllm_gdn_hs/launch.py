@@ -25,6 +25,7 @@ import shlex
 import sys
 
 from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.model_info import (
     ModelInfo,
     default_layer_ids,
@@ -88,12 +89,7 @@ class FileBackend:
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
             ) from None
         path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        return {
-            **user,
-            "kv_connector": CONNECTOR_NAME,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {**extra, "shared_storage_path": path},
-        }
+        return {**user, **extraction_config([], path, **extra)["kv_transfer_config"]}
 
 
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.
@@ -357,11 +353,7 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
     check_vllm_args(vllm_args, info)
-    speculative_config = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
-    }
+    speculative_config = extraction_config(ids, args.hidden_states_path)["speculative_config"]
     return [
         sys.executable,
         "-m",

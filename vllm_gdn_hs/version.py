@@ -1,9 +1,9 @@
 """Which vLLM is installed, and whether this plugin supports it.
 
-The supported releases are those with runtime patches (``vllm_gdn_hs.patch.PATCHES``);
-the ``vllm`` requirement in ``pyproject.toml`` admits exactly them among published releases
-(``tests/test_register.py`` checks both), and this module reads it back from the package
-metadata.
+:data:`RELEASES` is the one list of supported vLLM releases. The ``vllm`` requirement in
+``pyproject.toml`` admits exactly them among published releases, ``patches/<release>/`` holds a
+source series for each, and ``.ci/run`` tests each (``tests/test_register.py`` and
+``tests/test_patches.py`` check that they agree).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DIST_NAME = "vllm-gdn-hs"
+RELEASES = ("0.20.1", "0.26.0")
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -40,10 +41,7 @@ def installed_vllm() -> Version | None:
 
 
 def supported_releases() -> list[str]:
-    """The vLLM releases the plugin has runtime patches for (each within the requirement)."""
-    from vllm_gdn_hs.patch import PATCHES
-
-    return sorted(PATCHES, key=Version)
+    return list(RELEASES)
 
 
 def check_vllm(version: Version | None = None) -> Version:

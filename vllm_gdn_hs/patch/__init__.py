@@ -10,25 +10,24 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from vllm_gdn_hs.version import installed_vllm
+from vllm_gdn_hs.version import RELEASES, installed_vllm
 
-# vLLM release -> patch modules it needs, in the order they apply.
-PATCHES: dict[str, tuple[str, ...]] = {
-    version: (
-        "patch_config_vllm",
-        "patch_config_kv_transfer",
-        "patch_engine_arg_utils",
-        "patch_worker_gpu_model_runner",
-    )
-    for version in ("0.20.1", "0.26.0")
-}
+# The patch modules, in the order they apply; the same on every supported release (the few
+# differences between releases are feature probes inside each module).
+PATCHES: tuple[str, ...] = (
+    "patch_config_vllm",
+    "patch_config_kv_transfer",
+    "patch_engine_arg_utils",
+    "patch_worker_gpu_model_runner",
+)
 
 
 def patches_for(version: str | None = None) -> tuple[str, ...]:
+    """The patches a vLLM release needs: none for a release the plugin does not support."""
     if version is None:
         v = installed_vllm()
         version = v.base_version if v is not None else ""
-    return PATCHES.get(version, ())
+    return PATCHES if version in RELEASES else ()
 
 
 @dataclass

@@ -22,6 +22,7 @@ import hashlib
 from vllm.config import KVTransferConfig
 
 from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
 
 _orig_compute_hash = KVTransferConfig.compute_hash
@@ -29,7 +30,7 @@ _orig_compute_hash = KVTransferConfig.compute_hash
 
 def compute_hash(self: KVTransferConfig) -> str:
     base = _orig_compute_hash(self)
-    if self.kv_connector != CONNECTOR_NAME:
+    if not is_ours(self):
         return base
     layers = list((self.kv_connector_extra_config or {}).get("layer_ids") or [])
     factors = f"{base}|{CONNECTOR_NAME}|aux_hidden_states={layers}"

@@ -39,6 +39,7 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)
@@ -94,7 +95,7 @@ def __post_init__(self: VllmConfig) -> None:
     from vllm.platforms import current_platform
 
     kv = self.kv_transfer_config
-    if kv is not None and kv.kv_connector == CONNECTOR_NAME:
+    if is_ours(kv):
         take_layer_ids_from_speculative_config(self)
     if (
         kv is not None
@@ -107,7 +108,7 @@ def __post_init__(self: VllmConfig) -> None:
     ):
         self.scheduler_config.disable_hybrid_kv_cache_manager = False
     _orig_post_init(self)
-    if kv is not None and kv.kv_connector == CONNECTOR_NAME and self.model_config is not None:
+    if is_ours(kv) and self.model_config is not None:
         from vllm_gdn_hs.connector.checks import validate_vllm_config
 
         validate_vllm_config(self)  # fail now, not after the model is loaded
@@ -116,7 +117,7 @@ def __post_init__(self: VllmConfig) -> None:
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
     unsupported = _orig_v2_unsupported(self)
     kv = self.kv_transfer_config
-    if kv is not None and kv.kv_connector == CONNECTOR_NAME:
+    if is_ours(kv):
         unsupported.append(CONNECTOR_NAME)
     return unsupported
 

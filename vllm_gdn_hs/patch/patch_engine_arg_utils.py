@@ -21,6 +21,7 @@ from __future__ import annotations
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)
@@ -28,16 +29,10 @@ logger = init_logger(__name__)
 _orig = EngineArgs._set_default_chunked_prefill_and_prefix_caching_args
 
 
-def _connector_name(kv_transfer_config) -> str | None:
-    if isinstance(kv_transfer_config, dict):
-        return kv_transfer_config.get("kv_connector")
-    return getattr(kv_transfer_config, "kv_connector", None)
-
-
 def _set_default_chunked_prefill_and_prefix_caching_args(self: EngineArgs, *args, **kwargs):
     unset = self.enable_prefix_caching is None
     result = _orig(self, *args, **kwargs)
-    if unset and _connector_name(self.kv_transfer_config) == CONNECTOR_NAME:
+    if unset and is_ours(self.kv_transfer_config):
         if self.enable_prefix_caching:
             logger.info(
                 "%s: prefix caching off (cached prefixes have no hidden states)", CONNECTOR_NAME

@@ -37,7 +37,7 @@ import math
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.hook import hidden_states_connector
 from vllm_gdn_hs.patch import Patch
 
@@ -50,7 +50,7 @@ _orig_load_model = GPUModelRunner.load_model
 def extraction_layer_ids(vllm_config) -> list[int] | None:
     """The connector's layer ids, or None when hidden states are not extracted."""
     kv = vllm_config.kv_transfer_config
-    if kv is None or kv.kv_connector != CONNECTOR_NAME:
+    if not is_ours(kv):
         return None
     return list((kv.kv_connector_extra_config or {}).get("layer_ids") or [])
 
