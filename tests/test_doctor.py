@@ -107,3 +107,32 @@ def test_doctor_unwritable_hidden_states_path_names_the_fix(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     fix = [line for line in r.stdout.splitlines() if line.startswith("fix hidden-states path")]
     assert fix and "is not writable" in fix[0] and "--hidden-states-path" in fix[0], r.stdout
+
+
+def test_doctor_on_a_placeholder_path_names_the_fix(tmp_path):
+    r = _cli("doctor", "--model", "/path/to/Qwen3.6-27B")
+    assert r.returncode == 1
+    fix = [line for line in r.stdout.splitlines() if line.startswith("fix model")]
+    assert fix and "model folder /path/to/Qwen3.6-27B does not exist" in fix[0], r.stdout
+    assert "Repo id" not in r.stdout
+
+
+_NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # an environment without torch: importing it fails
+from vllm_gdn_hs.cli import main
+sys.exit(main(["doctor", "--hidden-states-path", sys.argv[1]]))
+"""
+
+
+def test_doctor_storage_check_needs_no_torch(tmp_path):
+    """doctor reports what is missing instead of crashing where torch is not installed."""
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(tmp_path / "hs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if "hidden-states path" in line]
+    assert rows and rows[0].startswith("ok"), r.stdout

@@ -204,7 +204,14 @@ def test_custom_ids_out_of_order_are_kept_with_a_warning(capsys, hybrid):
     rc = launch.main([hybrid, "--target-layer-ids", "1", "8", "2", "--dry-run"])
     captured = capsys.readouterr()
     assert rc == 0 and spec_ids(shlex.split(captured.out.splitlines()[-1])) == [1, 8, 2]
-    assert "not in increasing order, so the trainer would take layer 2, not 8" in captured.err
+    assert "do not end with the deepest one, so the trainer would take layer 2, not 8" in (
+        captured.err
+    )
+    # Out of order but ending with the deepest: said as it is ("layer 8, not 8" was wrong).
+    launch.main([hybrid, "--target-layer-ids", "7", "3", "--dry-run"])
+    err = capsys.readouterr().err
+    assert "[7, 3, 8] are not in increasing order; the files keep this order" in err
+    assert "deepest" not in err
     launch.main([hybrid, "--target-layer-ids", "1", "3", "--dry-run"])
     assert "increasing order" not in capsys.readouterr().err
 

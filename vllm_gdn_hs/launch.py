@@ -311,26 +311,23 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
             "file as the verifier's hidden state.",
             file=sys.stderr,
         )
-        if ids != sorted(ids):  # files keep this order: the trainer's verifier would be ids[-1]
+        if ids[-1] != max(ids):  # files keep this order: the trainer's verifier is ids[-1]
             print(
-                f"warning: the layer ids {ids} are not in increasing order, so the trainer "
+                f"warning: the layer ids {ids} do not end with the deepest one, so the trainer "
                 f"would take layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; "
                 "list them in increasing order unless that is meant.",
+                file=sys.stderr,
+            )
+        elif ids != sorted(ids):
+            print(
+                f"warning: the layer ids {ids} are not in increasing order; the files keep "
+                "this order, so the trainer's auxiliary layers come in it too.",
                 file=sys.stderr,
             )
     try:
         return validate_layer_ids(ids, n)
     except ValueError as e:
         raise LaunchError(str(e)) from None
-
-
-def _check_model_path(model: str) -> None:
-    looks_local = model.startswith(("/", "./", "../", "~")) or model in (".", "..")
-    if looks_local and not os.path.exists(model):
-        raise LaunchError(
-            f"model folder {model} does not exist: pass a HF model folder or a hub id "
-            "such as Qwen/Qwen3.6-27B"
-        )
 
 
 def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
@@ -348,7 +345,6 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     except UnsupportedVllmError as e:
         raise LaunchError(str(e)) from None
     if info is None:
-        _check_model_path(args.model)
         info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)

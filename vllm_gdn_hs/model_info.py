@@ -62,6 +62,11 @@ def _load_config_dict(model: str, trust_remote_code: bool = False) -> dict:
             raise ModelConfigError(f"cannot read {path}: {e}") from None
     if os.path.exists(model):
         raise ModelConfigError(f"{model} is not a folder: pass the model folder or a HF model id")
+    if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
+        raise ModelConfigError(
+            f"model folder {model} does not exist: pass a HF model folder or a hub id such as "
+            "Qwen/Qwen3.6-27B"
+        )
     try:  # A hub id: let transformers resolve it (cache or download).
         from transformers import AutoConfig
 
