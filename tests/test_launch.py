@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from vllm_gdn_hs import launch
+from vllm_gdn_hs import launch, serve_args
 from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def no_exec(monkeypatch):
 
     monkeypatch.setattr(launch.os, "execvp", refuse)
     # flashinfer present, unless a test says otherwise (see test_triton_gdn_prefill_*).
-    monkeypatch.setattr(launch, "_has_flashinfer", lambda: True)
+    monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: True)
 
 
 @pytest.fixture
@@ -601,14 +601,14 @@ def test_cli_launch_error(hybrid):
 
 
 def test_triton_gdn_prefill_without_flashinfer(hybrid, monkeypatch):
-    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     cmd = launch.build_command(launch.parse_args([hybrid]))
     i = cmd.index("--additional-config")
     assert json.loads(cmd[i + 1]) == {"gdn_prefill_backend": "triton"}
 
 
 def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
-    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     user = '{"gdn_prefill_backend": "flashinfer"}'
     cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
     assert cmd.count("--additional-config") == 1
@@ -616,7 +616,7 @@ def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
 
 
 def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monkeypatch, capsys):
-    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     user = '{"some_key": 1}'
     cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
     assert cmd.count("--additional-config") == 1  # the user's JSON is passed on as given
@@ -628,5 +628,5 @@ def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monke
 
 
 def test_no_gdn_backend_flag_for_dense_models(dense, monkeypatch):
-    monkeypatch.setattr(launch, "_has_flashinfer", lambda: False)
+    monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     assert "--additional-config" not in launch.build_command(launch.parse_args([dense]))

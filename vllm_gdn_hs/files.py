@@ -1,29 +1,27 @@
 """The hidden-states file contract, in one place: names, paths, locks, writes, headers, rows.
 
-Everything that touches a hidden-states file goes through this module: the connector's
-scheduler side (file names), its writers (lock, write), ``vllm-gdn-hs check`` (headers,
-locks, temp files), the reader, the benchmarks and the tests. Torch is imported only by the
-functions that handle tensors, so ``check`` and ``doctor`` run without it.
-
-The file (as speculators and vLLM's ``ExampleHiddenStatesConnector`` define it):
-``{folder}/{file_name(request_id)}.safetensors`` holding ``hidden_states`` [T, L, H] in the
-model dtype and ``token_ids`` [T] int64. ``<file>.lock`` is created and ``flock``-ed by the
-writer before the response leaves and released once the file is complete; the reader takes
-it, deletes it and reads the file.
-
-Request ids come from the network, so :func:`file_name` encodes them into a name that can
-never leave the folder (see there), and :func:`inside` checks every final path anyway.
+The connector, ``vllm-gdn-hs check``, doctor, the benchmarks and the tests all call this
+module; torch is imported only by the functions that handle tensors. The file, as speculators
+and vLLM's ``ExampleHiddenStatesConnector`` define it: ``{folder}/{name}.safetensors`` with
+``hidden_states`` [T, L, H] (model dtype) and ``token_ids`` [T] int64; ``<file>.lock`` is
+``flock``-ed by the writer before the response leaves and released once the file is complete,
+and the reader takes it, deletes it and reads the file. Request ids come from the network:
+:func:`file_name` encodes them into a name that cannot leave the folder, and :func:`inside`
+checks every final path anyway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -108,16 +106,13 @@ def file_mode() -> int:
 
 
 def _umask() -> int:
-    try:
+    try:  # read without setting it (os.umask would race with other threads' files)
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # no /proc: read it by setting it back at once
-    os.umask(mask)
-    return mask
+            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 # -- the lock ----------------------------------------------------------------------------
@@ -136,25 +131,20 @@ def take_lock(path: str) -> int:
         fd = os.open(lock, flags, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BaseException as e:
         os.close(fd)
-        raise BlockingIOError(errno.EWOULDBLOCK, "another process holds it", lock) from None
-    except BaseException:
-        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise BlockingIOError(errno.EWOULDBLOCK, "another process holds it", lock) from None
         raise
     return fd
 
 
-_folder_lock = threading.Lock()
-
-
 def make_folder_again(folder: str) -> None:
     """Make a folder that vanished during a run (logged once each time it is made)."""
-    with _folder_lock:
-        try:
-            os.makedirs(folder)
-        except FileExistsError:
-            return
+    try:
+        os.makedirs(folder)
+    except FileExistsError:  # another thread made it first
+        return
     logging.getLogger(_LOGGER).warning(
         "hidden-states folder %s was removed during the run; made it again", folder
     )
@@ -167,10 +157,8 @@ def release_lock(fd: int | None, path: str, remove: bool) -> None:
         return
     try:
         if remove:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(path + LOCK_SUFFIX)
-            except FileNotFoundError:
-                pass
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
@@ -255,20 +243,19 @@ def write_file(path, hidden_states, token_ids) -> None:
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-        except FileNotFoundError:
-            pass
         raise
 
 
 # -- the header --------------------------------------------------------------------------
 
 _DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
+    **dict.fromkeys(["BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"], 1),
+    **dict.fromkeys(["I16", "U16", "F16", "BF16"], 2),
+    **dict.fromkeys(["I32", "U32", "F32"], 4),
+    **dict.fromkeys(["I64", "U64", "F64"], 8),
+}
 
 
 def read_header(path: str) -> dict:
@@ -279,7 +266,7 @@ def read_header(path: str) -> dict:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
-        if not _is_regular(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
         size = st.st_size
         head = f.read(8)
@@ -299,10 +286,7 @@ def read_header(path: str) -> dict:
     for name, t in tensors.items():
         try:
             begin, end = (int(x) for x in t["data_offsets"])
-            count = 1
-            for d in t["shape"]:
-                count *= int(d)
-            want = count * _DTYPE_BYTES[t["dtype"]]
+            want = math.prod(int(d) for d in t["shape"]) * _DTYPE_BYTES[t["dtype"]]
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"not safetensors: tensor {name!r} has no valid dtype, shape and "
                              "data_offsets") from None  # fmt: skip
@@ -318,12 +302,6 @@ def read_header(path: str) -> dict:
     if 8 + n + at != size:
         raise ValueError(f"truncated: {size} bytes, the header says {8 + n + at}")
     return tensors
-
-
-def _is_regular(mode: int) -> bool:
-    import stat
-
-    return stat.S_ISREG(mode)
 
 
 def layout(tensors: dict) -> tuple[int, int, int, str]:
@@ -343,11 +321,8 @@ def layout(tensors: dict) -> tuple[int, int, int, str]:
 
 
 def row_norms(hidden_states):
-    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row.
-
-    Computed next to the device-to-host copy (on the GPU in production), so the
-    host checks T x L numbers instead of scanning every value.
-    """
+    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row;
+    computed next to the copy out of the GPU, so the host checks T x L numbers, not T x L x H."""
     import torch
 
     return torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
@@ -373,11 +348,10 @@ def check_rows(hidden_states) -> str | None:
 
 def check_storage_path(path: str) -> str | None:
     """Why ``path`` cannot hold hidden-states files (it is made if missing), or None."""
+    probe = os.path.join(path, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
         os.remove(probe)
     except OSError as e:
         return str(e)

@@ -1,0 +1,145 @@
+"""The ``vllm serve`` arguments that pass through the launcher: read as vLLM reads them
+(``--a_b.c=x`` is ``--a-b`` with key ``c``; the last use wins), refused where they contradict
+hidden-state extraction, and completed with the flags extraction needs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.model_info import ModelInfo
+
+
+class LaunchError(ValueError):
+    """Bad launcher input; the message tells the user what to change."""
+
+
+def _flag(arg: str) -> tuple[str, str | None] | None:
+    """``--kv_transfer_config.kv_role=x`` -> ``("--kv-transfer-config", "x")``, as vLLM reads it."""
+    if not arg.startswith("-") or arg == "--":
+        return None
+    key, eq, value = arg.partition("=")
+    if key.startswith("--"):
+        key = "--" + key[2:].split(".", 1)[0].replace("_", "-")
+    return key, (value if eq else None)
+
+
+def _last_value(args: list[str], names: set[str]) -> tuple[str, str | None] | None:
+    """The last use of a flag in ``names`` and its value (after ``=`` or the next argument)."""
+    found = None
+    for i, arg in enumerate(args):
+        parsed = _flag(arg)
+        if parsed and parsed[0] in names:
+            value = parsed[1]
+            if value is None and i + 1 < len(args):
+                value = args[i + 1]
+            found = (parsed[0], value)
+    return found
+
+
+def _bool_flag(args: list[str], name: str) -> bool | None:
+    """What ``--name`` / ``--no-name`` leave set (the last one wins); None if not given."""
+    state = None
+    for arg in args:
+        parsed = _flag(arg)
+        if parsed and parsed[0] == f"--{name}":
+            state = parsed[1] is None or parsed[1].lower() not in {"false", "0", "no", "off"}
+        elif parsed and parsed[0] == f"--no-{name}":
+            state = False
+    return state
+
+
+def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
+    """The vLLM arguments without ``--kv-transfer-config``, and that flag's settings: a JSON
+    object, or vLLM's dotted keys (``--kv-transfer-config.kv_connector_extra_config.x=1``),
+    merged in order."""
+    rest, user = [], {}
+    args = iter(vllm_args)
+    for arg in args:
+        parsed = _flag(arg)
+        if not parsed or parsed[0] != "--kv-transfer-config":
+            rest.append(arg)
+            continue
+        value = parsed[1] if parsed[1] is not None else next(args, None)
+        if value is None:
+            raise LaunchError("--kv-transfer-config needs a value")
+        keys = arg.partition("=")[0].split(".")[1:]
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            if not keys:
+                raise LaunchError(
+                    f"--kv-transfer-config {value!r} is not JSON: pass an object such as "
+                    '\'{"kv_connector_extra_config": {"write_workers": 8}}\''
+                ) from None
+        if keys:
+            node = user
+            for key in keys[:-1]:
+                if not isinstance(node.get(key), dict):
+                    node[key] = {}
+                node = node[key]
+            node[keys[-1]] = value
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                both = isinstance(v, dict) and isinstance(user.get(key), dict)
+                user[key] = {**user[key], **v} if both else v
+        else:
+            raise LaunchError(f"--kv-transfer-config {value!r}: pass a JSON object")
+    return rest, user
+
+
+def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
+    """Refuse user flags that contradict hidden-state extraction."""
+    used = _last_value(vllm_args, {"--speculative-config", "-sc"})
+    if used:
+        raise LaunchError(
+            f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
+            "the vLLM arguments and use --target-layer-ids/--include-last-layer instead"
+        )
+    if _bool_flag(vllm_args, "enable-prefix-caching"):
+        raise LaunchError(
+            f"--enable-prefix-caching: {CONNECTOR_NAME} needs prefix caching off (a cached "
+            "prefix is not run through the model, so its hidden states would be missing); "
+            "drop the flag, the launcher passes --no-enable-prefix-caching"
+        )
+    if info.is_hybrid and _bool_flag(vllm_args, "disable-hybrid-kv-cache-manager"):
+        raise LaunchError(
+            f"--disable-hybrid-kv-cache-manager: {info.path} is a hybrid (GDN) model and "
+            f"{CONNECTOR_NAME} works with vLLM's hybrid KV cache manager on; drop the flag"
+        )
+    pp = _last_value(vllm_args, {"--pipeline-parallel-size", "-pp"})
+    if pp and pp[1] is not None and pp[1].isdigit() and int(pp[1]) > 1:
+        raise LaunchError(
+            f"{pp[0]} {pp[1]}: pipeline parallelism is not supported for hidden-state "
+            "extraction (each stage holds only some layers); use --tensor-parallel-size "
+            "or --data-parallel-size instead"
+        )
+
+
+def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
+    """The flags we add, each only when the user did not pass it (either way)."""
+    extra = []
+    if _bool_flag(vllm_args, "enable-prefix-caching") is None:
+        extra.append("--no-enable-prefix-caching")
+    if info.multimodal and _bool_flag(vllm_args, "language-model-only") is None:
+        extra.append("--language-model-only")
+    if info.is_hybrid and not _has_flashinfer():
+        # vLLM's default GDN prefill kernel on Hopper comes from flashinfer.
+        user = _last_value(vllm_args, {"--additional-config"})
+        if not user:
+            extra += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+        elif "gdn_prefill_backend" not in (user[1] or ""):  # the user's JSON wins, as is
+            print(
+                f"warning: flashinfer is not installed and {user[0]} {user[1]} does not set "
+                'gdn_prefill_backend: add "gdn_prefill_backend": "triton" to it, or vLLM '
+                "may pick the flashinfer GDN prefill kernel and fail at startup.",
+                file=sys.stderr,
+            )
+    return extra
+
+
+def _has_flashinfer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
