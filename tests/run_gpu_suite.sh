@@ -25,9 +25,9 @@ fi
   python3 -c "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 TESTS=("$@")
-[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/test_gpu_extract.py tests/test_gpu_launch.py tests/test_gpu_tp.py)
+[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/gpu/test_gpu_extract.py tests/gpu/test_gpu_launch.py tests/gpu/test_gpu_tp.py)
 VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json" \
-    PYTHONPATH=$SITE:tests timeout "${SUITE_TIMEOUT:-3600}" python3 -m pytest --noconftest -m gpu -v -s \
+    PYTHONPATH=$SITE:tests/gpu:tests timeout "${SUITE_TIMEOUT:-3600}" python3 -m pytest --noconftest -m gpu -v -s \
     -p no:cacheprovider -p gpu_report \
     "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
 echo "pytest exit $?" >> "$OUT/env.txt"

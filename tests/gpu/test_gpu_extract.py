@@ -1,7 +1,7 @@
 """GPU suite: HybridHiddenStatesConnector on vLLM against HF transformers.
 
 Run on a CUDA machine with the plugin installed (vLLM finds it by entry point):
-    pytest -m gpu tests/test_gpu_extract.py -v -s
+    pytest -m gpu tests/gpu/test_gpu_extract.py -v -s
 Set VLLM_GDN_HS_RESULTS=/path/results.json to keep the measured figures.
 Covers: hybrid Qwen3.5 and dense Qwen3 tiny models (built here, random weights) and a
 deeper hybrid (12 layers, hidden 384, GDN value heads = 3 x key heads, as Qwen3.6-27B),

@@ -1,6 +1,6 @@
 """Every startup error of HybridHiddenStatesConnector names the fix; CPU only.
 
-Run: python -m pytest tests/test_connector_errors.py -q (no GPU, no network).
+Run: python -m pytest tests/test_connector_checks.py -q (no GPU, no network).
 Covers, on real VllmConfigs of the tiny models built through EngineArgs (the plugin runs the
 connector's checks as the config is built, and the connector again when it starts): no layer
 ids, another speculative method, layer ids out of range / repeated / missing, pipeline

@@ -1,7 +1,7 @@
 """GPU end to end: `vllm-gdn-hs launch` starts a real `vllm serve`, driven as speculators drives it.
 
 Run on a CUDA machine with the plugin installed:
-    pytest -m gpu tests/test_gpu_launch.py -v -s
+    pytest -m gpu tests/gpu/test_gpu_launch.py -v -s
 Optional: SPECULATORS_SITE=/path/to/site with the speculators wheel unpacked, to
 drive the server with speculators' own client (speculators.data_generation.vllm_client).
 Set VLLM_GDN_HS_LAUNCH_RESULTS=/path.json to keep the figures.

@@ -11,7 +11,7 @@ own bf16 error against HF bf16 (0.018-0.019): TP=2 splits every matmul and adds 
 all-reduce, so the two runs round differently. A wrong or shifted row would differ by ~1.
 
 Run on the two-GPU machine with the plugin installed:
-    pytest -m gpu tests/test_gpu_tp.py -v -s
+    pytest -m gpu tests/gpu/test_gpu_tp.py -v -s
 The data-parallel test also keeps its figures in VLLM_GDN_HS_LAUNCH_RESULTS.
 Skipped with fewer than two visible GPUs.
 """
