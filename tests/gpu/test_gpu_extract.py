@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.files import load_hidden_states, lock_held
 from vllm_gdn_hs.reference import (
     BAR_FACTOR,
@@ -105,23 +106,11 @@ def engine(model: str, kind: str, storage: str, extract: bool | str = True, **kw
     )
     if kind != "dense":
         args["language_model_only"] = True
-    if extract:
-        extra = {"shared_storage_path": storage}
-        if extract == "layer_ids":  # the connector's own option, no speculative config
-            extra["layer_ids"] = LAYERS[kind]
-        else:  # as speculators asks for it
-            args["speculative_config"] = {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS[kind]}
-                },
-            }
-        args["kv_transfer_config"] = {
-            "kv_connector": "HybridHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": extra,
-        }
+    if extract == "layer_ids":  # the connector's own option, no speculative config
+        kv = extraction_config([], storage, layer_ids=LAYERS[kind])["kv_transfer_config"]
+        args["kv_transfer_config"] = kv
+    elif extract:  # as speculators asks for it
+        args.update(extraction_config(LAYERS[kind], storage))
     args.update(kw)
     llm = LLM(**args)
     try:
