@@ -136,3 +136,11 @@ def test_doctor_storage_check_needs_no_torch(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     rows = [line for line in r.stdout.splitlines() if "hidden-states path" in line]
     assert rows and rows[0].startswith("ok"), r.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["doctor"], ["check"], ["demo"], ["launch"]])
+def test_help_is_plain_text(command):
+    """--help is read in a terminal: no reST markup."""
+    r = _cli(*command, "--help")
+    assert r.returncode == 0 and "usage:" in r.stdout
+    assert "``" not in r.stdout and ":func:" not in r.stdout

@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_gdn_hs.launch import main as launch_main
 
         return launch_main(argv[1:], prog="vllm-gdn-hs launch")
-    parser = argparse.ArgumentParser(prog="vllm-gdn-hs", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="vllm-gdn-hs", description="Hidden-state extraction for GDN hybrid models on vLLM."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="check the install; works without a GPU")
     doc.add_argument("--model", help="a HF model folder to inspect (hybrid? layers? hidden size?)")
