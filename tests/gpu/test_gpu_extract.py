@@ -107,7 +107,8 @@ def engine(model: str, kind: str, storage: str, extract: bool | str = True, **kw
     if kind != "dense":
         args["language_model_only"] = True
     if extract == "layer_ids":  # the connector's own option, no speculative config
-        kv = extraction_config([], storage, layer_ids=LAYERS[kind])["kv_transfer_config"]
+        kv = extraction_config([], storage)["kv_transfer_config"]
+        kv["kv_connector_extra_config"]["layer_ids"] = LAYERS[kind]
         args["kv_transfer_config"] = kv
     elif extract:  # as speculators asks for it
         args.update(extraction_config(LAYERS[kind], storage))
