@@ -38,7 +38,7 @@ from vllm_gdn_hs.connector.metadata import (
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import merge_results  # noqa: E402
+from records import merge_results  # noqa: E402
 
 
 def engine_step(x: torch.Tensor, ops: int) -> None:
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     plain, ours = [], []
     step = 0
     while step < args.steps:  # blocks of 10 steps each way; plain blocks start drained
-        while not (writer.tasks.empty() and all(s.free.is_set() for s in writer.slots)):
+        while not (writer.tasks.empty() and all(s.free.is_set() for s in writer.ring.slots)):
             time.sleep(0.001)
         for _ in range(10):
             t = time.perf_counter()

@@ -1,7 +1,7 @@
 """KV cache capacity with and without hidden-state extraction, from vLLM's own sizing code.
 
 No GPU needed: builds the real per-layer KV cache specs of the model (meta device, through
-tests/harness.py) and runs vLLM 0.20.1's get_kv_cache_configs and
+cpu_engine.py) and runs vLLM 0.20.1's get_kv_cache_configs and
 get_max_concurrency_for_kv_cache_config, the numbers behind its "GPU KV cache size: N tokens"
 line. Variants: plain (no extraction); ours (HybridHiddenStatesConnector: the same budget less
 the runner's one-step hidden-state buffers, which it counts into vLLM's memory budget); stock
@@ -21,12 +21,12 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402  (before any other vLLM import: installs vLLM's CpuPlatform)
-from bench import DEFAULT_LAYERS, merge_results, model_config, write_model_dir  # noqa: E402
+from records import merge_results  # noqa: E402
+from workloads import DEFAULT_LAYERS, model_config, write_model_dir  # noqa: E402
+
+import vllm_gdn_hs.cpu_engine as cpu_engine  # noqa: E402  (first: installs vLLM's CpuPlatform)
 
 
 def capacity(
@@ -41,12 +41,14 @@ def capacity(
     if variant == "plain":
         kw.update(connector=None, layer_ids=None)
     elif variant == "ours":
-        kw.update(connector=harness.OURS, layer_ids=layers)
+        kw.update(connector=cpu_engine.OURS, layer_ids=layers)
     else:
-        kw.update(connector=harness.STOCK, layer_ids=layers, disable_hybrid_kv_cache_manager=False)
+        kw.update(
+            connector=cpu_engine.STOCK, layer_ids=layers, disable_hybrid_kv_cache_manager=False
+        )
     try:
-        cfg = harness.engine_config(model, **kw)
-        tokens, kcc, held = harness.kv_capacity(cfg, memory)
+        cfg = cpu_engine.engine_config(model, **kw)
+        tokens, kcc, held = cpu_engine.kv_capacity(cfg, memory)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {

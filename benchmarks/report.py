@@ -1,21 +1,14 @@
-"""Turn bench.py's results JSON into a Markdown table (for the README) and a PNG plot.
+"""Turn bench.py's results JSON into a Markdown table, a PNG plot and the summary block of
+benchmarks/README.md.
 
     python benchmarks/report.py benchmarks/results/h200.json \\
-        --md benchmarks/results/README-table.md --png benchmarks/results/throughput.png
+        --md benchmarks/results/README-table.md --png benchmarks/results/throughput.png --readme
 
 Rows: the latest record per (GPU, shape, layers, workload, variant, vLLM version, mode, write
 target, batch size); for hf, the best batch size. "x plain" divides by plain vLLM's tok/s on the
 same GPU, shape, workload, vLLM version and mode, measured in the same run where the records
-carry one (bench.py --run; hf: plain eager on the newest vLLM in the file). The plot needs
-matplotlib; without it only the Markdown is written.
-
-Roofline. FLOPs per processed token =
-    2 x (matmul weights of all decoder layers; embeddings and lm_head left out)
-  + 4 x n_heads x head_dim x ctx        per full-attention layer (QK^T and PV)
-  + 6 x h_v x d_k x d_v                 per GDN layer (state update, read-out; intra-chunk left out)
-where ctx is the mean number of keys a token attends to (bench.py's attn_ctx_mean). The limit in
-tokens/s is PEAK_TFLOPS / FLOPs per token; "% roofline" is processed tokens/s over that limit
-(processed = prompt tokens, plus generated tokens for the mixed-outK workloads).
+carry one (bench.py --run; hf: plain eager on the newest vLLM in the file). "% roofline": see
+roofline.py. The plot needs matplotlib; without it only the Markdown is written.
 """
 
 from __future__ import annotations
@@ -26,55 +19,22 @@ import os
 import sys
 from collections import defaultdict
 
-PEAK_TFLOPS = 790  # bf16 dense matmul, measured on the H200 (see benchmarks/README.md)
-VARIANT_ORDER = {"plain": 0, "ours": 1, "upstream": 2, "hf": 3}
+from records import (
+    FAULTS,
+    OK,
+    VARIANT_ORDER,
+    files_ready_s,
+    ok,
+    status,
+    status_note,
+    tok_s,
+    workload_order,
+)
+from roofline import PEAK_TFLOPS, flops_per_token, roofline_frac, roofline_tok_s, total_params
 
-
-def linear_params(m: dict) -> int:
-    """Matmul weights of the decoder layers (Qwen3.5/3.6: gated attention, GDN, SwiGLU MLP)."""
-    h, hd = m["hidden_size"], m["head_dim"]
-    heads, kv = m["num_attention_heads"], m["num_key_value_heads"]
-    q_out = heads * hd * (2 if m.get("attn_output_gate") else 1)  # the gate rides on q_proj
-    attn = h * q_out + 2 * h * kv * hd + heads * hd * h
-    kd = m["linear_num_key_heads"] * m["linear_key_head_dim"]
-    vd = m["linear_num_value_heads"] * m["linear_value_head_dim"]
-    gdn = h * (2 * kd + vd) + h * vd + 2 * h * m["linear_num_value_heads"] + vd * h  # qkv z ba out
-    gdn += (2 * kd + vd) * m["linear_conv_kernel_dim"]
-    mlp = 3 * h * m["intermediate_size"]
-    n_full, n_lin = m["num_full_attention_layers"], m["num_linear_attention_layers"]
-    return n_full * attn + n_lin * gdn + (n_full + n_lin) * mlp
-
-
-def flops_per_token(m: dict, ctx: float) -> float:
-    attn = 4 * m["num_attention_heads"] * m["head_dim"] * ctx * m["num_full_attention_layers"]
-    gdn = (
-        6
-        * m["linear_num_value_heads"]
-        * m["linear_key_head_dim"]
-        * m["linear_value_head_dim"]
-        * m["num_linear_attention_layers"]
-    )
-    return 2 * linear_params(m) + attn + gdn
-
-
-def total_params(m: dict) -> int:
-    return linear_params(m) + m["vocab_size"] * m["hidden_size"] * 2  # untied embed + lm_head
-
-
-def tok_s(r: dict) -> float:
-    return r["prompt_tokens"] / r["gen_s"]
-
-
-def roofline_tok_s(r: dict) -> float:
-    return PEAK_TFLOPS * 1e12 / flops_per_token(r["model"], r["attn_ctx_mean"])
-
-
-def roofline_frac(r: dict) -> float:
-    return r["processed_tokens"] / r["gen_s"] / roofline_tok_s(r)
-
-
-def ok(r: dict) -> bool:
-    return not r.get("error") and bool(r.get("gen_s"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "h200.json")
+README = os.path.join(HERE, "README.md")  # its block between README_BEGIN and README_END
 
 
 def vkey(version: str | None) -> tuple:
@@ -141,16 +101,6 @@ def plain_for(r: dict, records: list[dict]) -> dict | None:
     )
 
 
-def workload_order(name: str, rows: list[dict]) -> tuple:
-    """Prefill-only workloads first, then by size: 128x1024, 32x8192, mixed, mixed-out256."""
-    r = next(r for r in rows if r["workload"] == name)
-    return (r["output_tokens_requested"], r["prompt_tokens"], name)
-
-
-def series_order(label: str) -> int:
-    return VARIANT_ORDER.get(label.split()[0], 9)
-
-
 def fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
@@ -161,12 +111,10 @@ def note(r: dict) -> str:
         parts.append(f"commit {r['commit']}")
     if r.get("run"):
         parts.append(f"run {r['run']}")
-    if r.get("error"):
-        err = r.get("error_summary") or (r["error"].strip().splitlines() or ["error"])[-1]
-        # skipped, or cut off by --budget, is time, not a fault: say so without "failed" (the
-        # "--timeout/--budget" wording is the records of run 18, before the two were told apart)
-        cut = err.startswith(("skipped", "cut off by --budget")) or err.endswith("/--budget)")
-        parts.append(err[:240] if cut else "failed: " + err[:240])
+    st = status(r)
+    if st != OK:  # skipped, or cut off by the --budget, is time, not a fault: no "failed"
+        text = (status_note(r) or st)[:240]
+        parts.append("failed: " + text if st in FAULTS else text)
     elif r["variant"] == "hf" and not r.get("fla_available"):
         parts.append("no fla: reference GDN kernels")
     return "; ".join(parts).replace("|", "/")
@@ -195,14 +143,14 @@ def conditions(records: list[dict]) -> str:
         f"(`VLLM_PLUGINS=`), gpu_memory_utilization "
         f"{flag('gpu_memory_utilization')}, max_model_len {flag('max_model_len')}, extra engine "
         f"kwargs {flag('extra_engine_kwargs')}. Random-token prompts, seed {flag('seed')}. "
-        f"Roofline: {PEAK_TFLOPS} TFLOP/s bf16 (formula in benchmarks/report.py)."
+        f"Roofline: {PEAK_TFLOPS} TFLOP/s bf16 (formula in benchmarks/roofline.py)."
     )
 
 
 COLUMNS = (
-    "variant | vLLM | mode | write to | tok/s | x plain | % roofline | samples/s | drain s | "
-    "tok/s incl. drain | KV cache tokens | max concurrency | peak GPU GiB | bytes/token | "
-    "startup s | note"
+    "variant | vLLM | mode | write to | tok/s | x plain | % roofline | samples/s | "
+    "files ready s | tok/s incl. files ready | KV cache tokens | max concurrency | "
+    "peak GPU GiB | bytes/token | startup s | note"
 )
 
 
@@ -216,14 +164,15 @@ def row(r: dict, records: list[dict]) -> str:
     ]
     if ok(r):
         plain = plain_for(r, records)
-        total = r["gen_s"] + r.get("drain_s", 0)
+        ready = files_ready_s(r)
+        total = r["gen_s"] + (ready or 0)
         peak = r.get("peak_gpu_mib")
         cells += [
             fmt(tok_s(r)),
             fmt(tok_s(r) / tok_s(plain), ".2f") if plain else "n/a",
             fmt(100 * roofline_frac(r), ".0f") + "%",
             fmt(r["num_requests"] / r["gen_s"], ",.1f"),
-            fmt(r.get("drain_s"), ".2f"),
+            fmt(ready, ".2f"),
             fmt(r["prompt_tokens"] / total),
             fmt(r.get("kv_cache_tokens")),
             fmt(r.get("max_concurrency"), ".1f"),
@@ -303,7 +252,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
     hf_best = {(r["gpu"], r["shape"], r["workload"]): tok_s(r) for r in hf_rows}
     out = [
         "| model, workload | variant | mode | write to | tok/s | x plain | x HF | "
-        "KV cache tokens (x plain) | drain s | commit, run |",
+        "KV cache tokens (x plain) | files ready s | commit, run |",
         "|" + " --- |" * 10,
     ]
     extraction = [r for r in rows if r["variant"] in ("ours", "upstream") and ok(r)]
@@ -337,7 +286,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
                     f"{tok_s(r) / tok_s(plain):.2f} ({fmt(tok_s(plain))})" if plain else "n/a",
                     f"{tok_s(r) / hf:.2f}" if hf else "n/a",
                     kv,
-                    fmt(r.get("drain_s"), ".2f"),
+                    fmt(files_ready_s(r), ".2f"),
                     ", ".join(str(x) for x in (r.get("commit"), r.get("run")) if x) or "n/a",
                 ]
             )
@@ -352,7 +301,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
 
 
 def readme_block(rows: list[dict], records: list[dict]) -> str:
-    """What --readme puts in README.md: the conditions, then the summary table."""
+    """What --readme puts in benchmarks/README.md: the conditions, then the summary table."""
     return conditions(rows) + "\n\n" + summary(rows, records)
 
 
@@ -368,78 +317,28 @@ def splice_readme(path: str, text: str) -> None:
         f.write(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
 
 
-def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
-        return
-    good = [r for r in rows if ok(r)]
-    shapes = sorted({(r["gpu"], r["shape"]) for r in good})
-    if not shapes:
-        print("no successful records: no plot written", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(len(shapes), 1, figsize=(13, 4.5 * len(shapes)), squeeze=False)
-    multi_target = len({r["write_target"] for r in good}) > 1
-    for ax, (gpu, shape) in zip(axes[:, 0], shapes, strict=True):
-        rs = [r for r in good if (r["gpu"], r["shape"]) == (gpu, shape)]
-        workloads = sorted({r["workload"] for r in rs}, key=lambda w: workload_order(w, rs))
-
-        def label(r):
-            if r["variant"] == "hf":
-                s = "hf transformers"
-            else:
-                s = f"{r['variant']} (vLLM {r['versions']['vllm']}, {r['mode']})"
-            if multi_target and r["variant"] != "plain":
-                s += f", {r['write_target']}"
-            return s
-
-        series = sorted({label(r) for r in rs}, key=lambda s: (series_order(s), s))
-        width = 0.8 / len(series)
-        for i, s in enumerate(series):
-            xs, ys = [], []
-            for j, w in enumerate(workloads):
-                match = [r for r in rs if r["workload"] == w and label(r) == s]
-                if match:
-                    xs.append(j - 0.4 + width * (i + 0.5))
-                    ys.append(tok_s(match[-1]))
-            bars = ax.bar(xs, ys, width, label=s)
-            ax.bar_label(bars, labels=[f"{y / 1000:.1f}k" for y in ys], fontsize=7)
-        for j, w in enumerate(workloads):
-            r0 = next(r for r in rs if r["workload"] == w)
-            if not r0["output_tokens_requested"]:
-                ax.hlines(
-                    roofline_tok_s(r0),
-                    j - 0.45,
-                    j + 0.45,
-                    colors="k",
-                    linestyles="--",
-                    label=f"roofline ({PEAK_TFLOPS} TFLOP/s)" if j == 0 else None,
-                )
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_ylabel("prompt tokens/s")
-        ax.set_title(f"{shape} shape on {gpu}: hidden-state extraction throughput")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("results", nargs="+", help="results JSON file(s) written by bench.py")
+    p.add_argument(
+        "results",
+        nargs="*",
+        default=[RESULTS],
+        help="results JSON file(s) written by bench.py (default: benchmarks/results/h200.json)",
+    )
     p.add_argument("--md", help="write the Markdown here (default: print it)")
     p.add_argument("--png", help="write the plot here (needs matplotlib)")
     p.add_argument(
         "--readme",
-        help="fill this file's generated block (README.md's Measured section) with the summary",
+        nargs="?",
+        const=README,
+        metavar="MD",
+        help="fill the generated block of benchmarks/README.md (or of MD) with the summary",
     )
     args = p.parse_args(argv)
+    if args.readme and args.readme.endswith(".json"):
+        p.error(f"--readme {args.readme}: give the results files before --readme")
     records = load(args.results)
     rows = select(records)
     if not rows:
@@ -452,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     if args.png:
+        from plot import plot
+
         plot(rows, args.png)
     if args.readme:
         splice_readme(args.readme, readme_block(rows, records))

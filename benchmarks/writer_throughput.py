@@ -31,7 +31,7 @@ from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.files import wait_for_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import merge_results  # noqa: E402
+from records import merge_results  # noqa: E402
 
 _row_norms = staging.row_norms  # the real one; run() stands a precomputed copy in for it
 

@@ -1,4 +1,5 @@
-"""benchmarks/bench.py: log parsing against the writer's real log lines; the --budget rule.
+"""benchmarks/bench.py and logparse.py: log parsing against the writer's real log lines; the
+--budget rule; the status of a variant that did not finish.
 
 Run: python -m pytest tests/test_bench.py -q
 Covers: the writer's progress and shutdown lines, as the worker side logs them through
@@ -25,6 +26,8 @@ from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import bench  # noqa: E402
+import logparse  # noqa: E402
+import records  # noqa: E402
 
 
 def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
@@ -46,12 +49,12 @@ def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
     )
     w.close(timeout=30)
     log = "\n".join(f"INFO 11-30 [connector.py:1] {r.getMessage()}" for r in caplog.records)
-    info = bench.writer_info(log)
+    info = logparse.writer_info(log)
     assert info["writer_log"].startswith("shut down; 1 files"), log
     assert "1 steps; per step" in info["writer_log"]
     progress = "\n".join(line for line in log.splitlines() if "shut down" not in line)
-    assert bench.writer_info(progress)["writer_log"].startswith("0 files (0.00 GB) written")
-    assert bench.writer_info("no writer here") == {}
+    assert logparse.writer_info(progress)["writer_log"].startswith("0 files (0.00 GB) written")
+    assert logparse.writer_info("no writer here") == {}
 
 
 def test_budget_does_not_start_a_variant_that_cannot_finish():
@@ -70,20 +73,20 @@ def test_a_cut_variant_says_how_far_it_got():
         [
             "INFO ... [core.py:347] init engine (profile, create kv cache, warmup model) took 5 s",
             "Capturing CUDA graphs (decode, FULL):  29%|##9  | 15/51",
-            bench.ready_mark("upstream", t0 + 55),
-            bench.generating_mark("upstream", "mixed-out256", t0 + 56),
+            logparse.ready_mark("upstream", t0 + 55),
+            logparse.generating_mark("upstream", "mixed-out256", t0 + 56),
         ]
     )
-    detail = bench.cut_detail(log, t0, t0 + 231, "mixed-out256", 405_571)
+    detail = logparse.cut_detail(log, t0, t0 + 231, "mixed-out256", 405_571)
     assert detail == (
         "engine ready after 55 s; mixed-out256 not done after 175 s of generating: "
         "under 2,318 tok/s"
     )
-    assert bench.cut_detail(log, t0, t0 + 231, "mixed", 405_571) == (
+    assert logparse.cut_detail(log, t0, t0 + 231, "mixed", 405_571) == (
         "engine ready after 55 s; mixed not begun"
     )
     # Run 20: both CUDA-graph engines were still starting when the 310 s ran out.
-    assert bench.cut_detail("Capturing CUDA graphs", t0, t0 + 310, "mixed", 1) == (
+    assert logparse.cut_detail("Capturing CUDA graphs", t0, t0 + 310, "mixed", 1) == (
         "its engine was not ready after 310 s"
     )
 
@@ -98,8 +101,8 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
         log = "\n".join(
             [
                 "INFO ... [core.py:347] init engine (profile, create kv cache, warmup model)",
-                bench.ready_mark("upstream", now + 0.1),
-                bench.generating_mark("upstream", "4x64", now + 0.2),
+                logparse.ready_mark("upstream", now + 0.1),
+                logparse.generating_mark("upstream", "4x64", now + 0.2),
             ]
         )
         calls.append(timeout)
@@ -115,7 +118,7 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
     ]  # fmt: skip
     assert bench.main([*argv, "--budget", "300"]) == 0
     assert bench.main(argv) == 0
-    cut, crashed = bench.load_records(str(results))
+    cut, crashed = records.load_records(str(results))
     assert round(calls[0]) == 280  # the --budget less 20 s to stop
     assert re.fullmatch(
         r"cut off by --budget after 280 s \(not a fault: time ran out\); engine ready after 0 s; "
@@ -124,3 +127,21 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
     ), cut["error"]
     assert cut["error_summary"] == cut["error"]
     assert crashed["error"] == "worker exited with status 1"
+
+
+def test_a_variant_without_records_gets_a_status():
+    # The status that report.py reads, for each way a variant can end without its records.
+    class Args:
+        budget, timeout = 300.0, 540.0
+
+    def why(problem=None, out_of_budget=False, rc=None, timeout=540.0, slowest_s=0.0):
+        return bench.why_missing(Args, problem, out_of_budget, rc, timeout, 100.0, slowest_s)
+
+    assert why("skipped: no plugin") == (records.SKIPPED, "skipped: no plugin")
+    assert why(out_of_budget=True, slowest_s=270)[0] == records.SKIPPED
+    assert why(timeout=280) == (
+        records.CUT,
+        "cut off by --budget after 280 s (not a fault: time ran out)",
+    )
+    assert why() == (records.TIMED_OUT, "timed out after 540 s (--timeout)")
+    assert why(rc=1) == (records.FAILED, "worker exited with status 1")

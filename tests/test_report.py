@@ -1,25 +1,24 @@
 """benchmarks/report.py on the committed GPU results; CPU only, no vLLM.
 
 Run: python -m pytest tests/test_report.py -q
-Covers: "x plain" divides by the plain record of the same run; README.md's Measured block and
-benchmarks/results/README-table.md are what report.py makes of benchmarks/results/h200.json
-(regenerate them after adding records); the README block is replaced, not appended to.
+Covers: "x plain" divides by the plain record of the same run; benchmarks/README.md's generated
+block and benchmarks/results/README-table.md are what report.py makes of
+benchmarks/results/h200.json (regenerate them after adding records); the README block is
+replaced, not appended to; records older than the status field and files_ready_s render as before.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "h200.json")
-_spec = importlib.util.spec_from_file_location(
-    "report", os.path.join(REPO, "benchmarks", "report.py")
-)
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import records as bench_records  # noqa: E402
+import report  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +67,11 @@ def test_versions_are_paired_and_cut_runs_are_not_faults(records):
 
 def test_generated_files_are_current(records):
     rows = report.select(records)
-    with open(os.path.join(REPO, "README.md")) as f:
+    with open(os.path.join(REPO, "benchmarks", "README.md")) as f:
         readme = f.read()
     block = readme.split(report.README_BEGIN, 1)[1].split(report.README_END, 1)[0]
     expected = report.readme_block(rows, records)
-    assert block.strip() == expected.strip(), "run benchmarks/report.py ... --readme README.md"
+    assert block.strip() == expected.strip(), "run python benchmarks/report.py --readme"
     with open(os.path.join(REPO, "benchmarks", "results", "README-table.md")) as f:
         table = f.read()
     assert table.strip() == report.markdown(rows, records, "h200.json").strip()
@@ -88,3 +87,32 @@ def test_splice_replaces_the_block(tmp_path):
     bare.write_text("no block")
     with pytest.raises(SystemExit, match="no .* block"):
         report.splice_readme(str(bare), "x")
+
+
+def test_old_statuses_and_drain_key_render_as_new_ones(records):
+    """Records written before the status field and files_ready_s (drain_s then) render as the
+    same records in the new form."""
+    old_ok = next(r for r in records if r.get("run") == "run17" and r["variant"] == "ours")
+    assert "drain_s" in old_ok and "status" not in old_ok
+    new_ok = {k: v for k, v in old_ok.items() if k != "drain_s"}
+    new_ok.update(status="ok", files_ready_s=old_ok["drain_s"])
+    assert report.row(old_ok, records) == report.row(new_ok, records)
+    assert f"| {old_ok['drain_s']:.2f} |" in report.row(old_ok, records)
+    assert bench_records.files_ready_s(old_ok) == old_ok["drain_s"]
+    old = {
+        "skipped: vllm-gdn-hs is not installed": "skipped",
+        "cut off by --budget after 310 s (not a fault: time ran out)": "cut",
+        "timed out after 210 s (--timeout/--budget)": "cut",  # run 18: the two not told apart
+        "timed out after 540 s (--timeout)": "timed_out",
+        "worker exited with status 1": "failed",
+    }
+    base = {k: v for k, v in old_ok.items() if k not in ("gen_s", "drain_s")}
+    for text, status in old.items():
+        r_old = {**base, "error": text, "error_summary": text}
+        r_new = {**base, "error": text, "error_summary": text, "status": status, "note": text}
+        assert bench_records.status(r_old) == status, text
+        assert not report.ok(r_old)
+        assert report.note(r_old) == report.note(r_new), text
+        assert report.row(r_old, records) == report.row(r_new, records), text
+        failed = status in ("timed_out", "failed")
+        assert report.note(r_old).endswith(("failed: " if failed else "") + text)

@@ -1,0 +1,73 @@
+"""What an engine log says: KV cache size, the writer's summary line, the root cause of a
+failed engine core, and the worker's progress marks (engine ready, generating)."""
+
+from __future__ import annotations
+
+import re
+
+KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
+KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# The writer's last progress or shutdown line: files, bytes, its host cost per engine step.
+WRITER_RE = re.compile(
+    r"HybridHiddenStatesConnector: ((?:shut down; |\d+ files ).*per step.*)$", re.M
+)
+# The worker's progress marks (epoch seconds), read back when the --budget or --timeout cuts it
+READY_RE = re.compile(r"\[bench\] \S+: engine ready at ([\d.]+)$", re.M)
+GENERATING_RE = re.compile(r"\[bench\] \S+ (\S+): generating from ([\d.]+)$", re.M)
+# "ValueError: ..." alone or after the engine core's "(EngineCore_DP0 pid=123) " prefix
+ERROR_LINE_RE = re.compile(r"(?:^|\) )([\w.]*(?:Error|Exception): .*)")
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI_RE.sub("", text)
+
+
+def kv_cache_info(log: str) -> dict:
+    size, conc = KV_SIZE_RE.findall(log), KV_CONC_RE.findall(log)
+    return dict(
+        kv_cache_tokens=int(size[-1].replace(",", "")) if size else None,
+        max_concurrency=float(conc[-1][1]) if conc else None,
+    )
+
+
+def writer_info(log: str) -> dict:
+    """The writer's last summary line in an engine log (cumulative over the engine's workloads:
+    exact for a group of one workload)."""
+    lines = WRITER_RE.findall(log)
+    return dict(writer_log=lines[-1].strip()) if lines else {}
+
+
+def error_summary(error: str, log: str) -> str:
+    """One line: the error, or for a failed vLLM engine core the root cause from its log."""
+    last = (error.strip().splitlines() or ["error"])[-1]
+    if "Engine core initialization failed" not in last:
+        return last
+    causes = [m[1] for m in map(ERROR_LINE_RE.search, log.splitlines()) if m]
+    causes = [c for c in causes if "Engine core" not in c]
+    return causes[-1].strip() if causes else last
+
+
+def ready_mark(variant: str, at: float) -> str:
+    return f"[bench] {variant}: engine ready at {at:.1f}"
+
+
+def generating_mark(variant: str, workload: str, at: float) -> str:
+    return f"[bench] {variant} {workload}: generating from {at:.1f}"
+
+
+def cut_detail(log: str, started: float, stopped: float, workload: str, tokens: int) -> str:
+    """How far a variant stopped at `stopped` had got with `workload`, from its progress
+    marks: a lower bound on the time it needed, and so an upper bound on its tokens/s (prompt
+    tokens, as the records' tokens/s)."""
+    ready = READY_RE.findall(log)
+    if not ready:
+        return f"its engine was not ready after {stopped - started:.0f} s"
+    gen = dict(GENERATING_RE.findall(log)).get(workload)
+    if gen is None:
+        return f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not begun"
+    took = max(stopped - float(gen), 0.1)
+    return (
+        f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not done after "
+        f"{took:.0f} s of generating: under {tokens / took:,.0f} tok/s"
+    )

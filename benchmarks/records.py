@@ -1,0 +1,96 @@
+"""Results JSON files (read, append), and what a bench.py record says: its status, its
+figures (fields renamed since are read under both names) and its place in a table.
+
+A record's ``status`` is one of STATUSES; one that is not "ok" has ``error`` (the full text),
+``error_summary`` and ``note`` (one line: what the table shows). Records written before the
+field existed carry the status in their error text: :func:`status` reads it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+OK = "ok"
+SKIPPED = "skipped"  # not run: plugin missing, too little space or --budget left
+CUT = "cut"  # stopped by the --budget: time ran out, not a fault
+TIMED_OUT = "timed_out"  # stopped by --timeout: a hang, a fault
+FAILED = "failed"
+STATUSES = (OK, SKIPPED, CUT, TIMED_OUT, FAILED)
+FAULTS = (TIMED_OUT, FAILED)
+VARIANT_ORDER = {"plain": 0, "ours": 1, "upstream": 2, "hf": 3}
+
+
+def status_note(r: dict) -> str:
+    """The one line that explains a record's status ("" for an ok record)."""
+    if r.get("note"):
+        return r["note"]
+    if not r.get("error"):
+        return ""
+    return r.get("error_summary") or (r["error"].strip().splitlines() or ["error"])[-1]
+
+
+def status(r: dict) -> str:
+    """The record's status: its field, or for an older record the one its error text says."""
+    if r.get("status"):
+        return r["status"]
+    if not r.get("error"):
+        return OK
+    text = status_note(r)
+    if text.startswith("skipped"):
+        return SKIPPED
+    # "timed out after 210 s (--timeout/--budget)": run 18, before the two were told apart
+    if text.startswith("cut off by --budget") or text.endswith("/--budget)"):
+        return CUT
+    if text.startswith("timed out"):
+        return TIMED_OUT
+    return FAILED
+
+
+def files_ready_s(r: dict) -> float | None:
+    """Seconds from generate() returning until every file was complete (wall time in bench);
+    older records call it drain_s."""
+    return r.get("files_ready_s", r.get("drain_s"))
+
+
+def ok(r: dict) -> bool:
+    """Measured: status ok, with a generate() time."""
+    return status(r) == OK and bool(r.get("gen_s"))
+
+
+def tok_s(r: dict) -> float:
+    return r["prompt_tokens"] / r["gen_s"]
+
+
+def workload_order(name: str, rows: list[dict]) -> tuple:
+    """Prefill-only workloads first, then by size: 128x1024, 32x8192, mixed, mixed-out256."""
+    r = next(r for r in rows if r["workload"] == name)
+    return (r["output_tokens_requested"], r["prompt_tokens"], name)
+
+
+def load_records(path: str) -> list[dict]:
+    """The records already in a results JSON ([] if there is none); raises if it is unreadable."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    records = data["records"] if isinstance(data, dict) else data
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: no list of records")
+    return records
+
+
+def merge_results(path: str, new: list[dict]) -> None:
+    """Append new records to path, atomically; never overwrite a file it cannot read."""
+    try:
+        records = load_records(path)
+    except (OSError, ValueError, KeyError) as e:
+        path = path + f".{int(time.time())}.json"  # keep both: the old file is left as it is
+        print(f"[bench] warning: cannot read the results file ({e}): writing {path}", flush=True)
+        records = []
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"records": records + new}, f, indent=1)
+    os.replace(tmp, path)

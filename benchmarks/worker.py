@@ -1,0 +1,236 @@
+"""The child process of one variant (``bench.py --worker SPEC.json``): builds the engine (vLLM,
+or HF transformers in hf_worker.py), runs each workload and writes a record per workload (per
+batch size for hf) to the spec's result_file as it goes, so the parent keeps what was done
+before a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import traceback
+
+from host import GpuMemPoller
+from logparse import generating_mark, ready_mark
+from records import FAILED, OK, SKIPPED
+from workloads import WARMUP_PROMPTS, Workload, bytes_needed, make_workload, prompt_ids
+
+from vllm_gdn_hs.files import take_finished
+
+CONNECTORS = {"ours": "HybridHiddenStatesConnector", "upstream": "ExampleHiddenStatesConnector"}
+
+
+class Skip(Exception):
+    """A workload not run, for a reason given in one line (no traceback in the record)."""
+
+
+def record_error(rec: dict, e: Exception) -> None:
+    """A workload's failure in its record: a Skip as its one line, else the traceback."""
+    if isinstance(e, Skip):
+        rec.update(status=SKIPPED, error=str(e))
+    else:
+        rec.update(status=FAILED, error=traceback.format_exc(limit=-3))
+
+
+def reset_dir(path: str) -> None:
+    """Empty path but keep the folder itself: a connector may have created it only once."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.remove(p)
+
+
+def dir_bytes(path: str) -> tuple[int, int]:
+    """(bytes, number of .safetensors files) under path."""
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            total += os.path.getsize(os.path.join(root, name))
+            files += name.endswith(".safetensors")
+    return total, files
+
+
+def check_space(out_dir: str, w: Workload, spec: dict) -> None:
+    """Refuse a workload whose files would not fit (tmpfs is RAM: a full one stalls the run)."""
+    need, free = bytes_needed(w, spec), shutil.disk_usage(out_dir).free
+    if need * 1.1 > free:
+        raise Skip(
+            f"skipped: {w.name} writes about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free "
+            f"in {out_dir}"
+        )
+
+
+def wait_files_ready(out_dir: str, outputs, expected: int, timeout: float) -> float:
+    """Seconds until every expected hidden-state file exists and is unlocked."""
+    paths = [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outputs]
+    paths = [p if os.path.isabs(p) else os.path.join(out_dir, p) for p in paths if p]
+    t0, done = time.perf_counter(), set()
+    while True:
+        if len(paths) < expected:  # the connector returned no paths: count what is there
+            paths = [
+                os.path.join(root, n)
+                for root, _, names in os.walk(out_dir)
+                for n in names
+                if n.endswith(".safetensors")
+            ]
+        done.update(p for p in paths if p not in done and take_finished(p))
+        if len(done) >= expected:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(
+                f"{len(done)} of {expected} hidden-state files finished after {timeout:.0f} s "
+                f"in {out_dir}: raise --drain-timeout or check the connector's log"
+            )
+        time.sleep(0.005)
+
+
+def engine_kwargs(spec: dict) -> dict:
+    kw = dict(
+        model=spec["model_dir"],
+        load_format="dummy",
+        language_model_only=True,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=spec["eager"],
+        additional_config={"gdn_prefill_backend": "triton"},
+        enable_prefix_caching=False,
+        max_model_len=spec["max_model_len"],
+        gpu_memory_utilization=spec["gpu_memory_utilization"],
+        seed=0,
+    )
+    connector = CONNECTORS.get(spec["variant"])
+    if connector:
+        from vllm_gdn_hs.config import extraction_config
+
+        kw.update(
+            extraction_config(
+                spec["layers"], spec["out_dir"], connector, **spec.get("connector_config", {})
+            )
+        )
+    kw.update(spec["extra_engine_kwargs"])
+    return kw
+
+
+def engine_config(llm) -> dict | str:
+    """What vLLM chose, for reading the figures (0.20.1 attribute names)."""
+    try:
+        c = llm.llm_engine.vllm_config
+        return dict(
+            async_scheduling=c.scheduler_config.async_scheduling,
+            hybrid_kv_cache_manager=not c.scheduler_config.disable_hybrid_kv_cache_manager,
+            max_num_seqs=c.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
+            block_size=c.cache_config.block_size,
+            prefix_caching=c.cache_config.enable_prefix_caching,
+        )
+    except Exception as e:
+        return repr(e)
+
+
+def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
+    from vllm import LLM, SamplingParams
+
+    kwargs = engine_kwargs(spec)
+    recorded_kwargs = json.loads(json.dumps(kwargs))  # vLLM fills config objects into nested dicts
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = dict(startup_s=round(time.perf_counter() - t0, 1), startup_peak_gpu_mib=poller.take())
+    print(ready_mark(spec["variant"], time.time()), flush=True)
+    startup["engine_config"] = engine_config(llm)
+    connector = spec["variant"] in CONNECTORS
+    out_dir = spec["out_dir"]
+    for name in spec["workloads"]:
+        w = make_workload(name, spec["seed"])
+        rec = dict(w.stats(), **startup, engine_kwargs=recorded_kwargs)
+        try:
+            reset_dir(out_dir)
+            if connector:
+                check_space(out_dir, w, spec)
+            prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(w, spec["seed"])]
+            extra = None
+            if w.output_tokens and connector:
+                extra = {"kv_transfer_params": {"include_output_tokens": True}}
+            sp = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
+            warm = SamplingParams(
+                max_tokens=min(w.max_tokens, 8), ignore_eos=True, extra_args=extra
+            )
+            rec["sampling"] = dict(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
+            outs = llm.generate(prompts[:WARMUP_PROMPTS], warm, use_tqdm=False)
+            if connector:
+                wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
+            reset_dir(out_dir)
+            poller.take()
+            print(generating_mark(spec["variant"], name, time.time()), flush=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            gen_s = time.perf_counter() - t0
+            ready_s = 0.0
+            if connector:
+                ready_s = wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
+            nbytes, nfiles = dir_bytes(out_dir)
+            rec.update(
+                status=OK,
+                gen_s=round(gen_s, 3),
+                files_ready_s=round(ready_s, 3),
+                output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+                files=nfiles,
+                bytes_written=nbytes,
+                peak_gpu_mib=poller.take(),
+            )
+        except Exception as e:
+            record_error(rec, e)
+        emit(rec)
+        reset_dir(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    try:  # as tests/test_gpu_extract.py; the parent kills whatever is left
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:
+        print(f"[bench] engine shutdown: {e!r}", flush=True)
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    records: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        tmp = spec["result_file"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(records, f, indent=1, default=repr)  # a stray object never loses a record
+        os.replace(tmp, spec["result_file"])  # the parent keeps what was done before a timeout
+        if rec["status"] == OK:
+            msg = (
+                f"{rec['prompt_tokens'] / rec['gen_s']:,.0f} prompt tok/s, "
+                f"files ready {rec['files_ready_s']} s"
+            )
+        else:
+            msg = (rec["error"].strip().splitlines() or [rec["status"]])[-1]
+        print(
+            f"[bench] {spec['variant']} {rec['workload']} bs={rec.get('batch_size', '-')}: {msg}",
+            flush=True,
+        )
+
+    poller = GpuMemPoller()
+    poller.start()
+    try:
+        if spec["variant"] == "hf":
+            from hf_worker import run_hf
+
+            run_hf(spec, emit, poller)
+        else:
+            run_vllm(spec, emit, poller)
+    except Exception:  # startup failed: one error record per workload not yet measured
+        err = traceback.format_exc(limit=-3)
+        done = {r["workload"] for r in records}
+        for name in spec["workloads"]:
+            if name not in done:
+                emit(dict(make_workload(name, spec["seed"]).stats(), status=FAILED, error=err))
+        return 1
+    finally:
+        poller.stopped = True
+    return 0

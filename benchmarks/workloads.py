@@ -1,0 +1,137 @@
+"""Model shapes, model folders and workloads (prompt lengths, prompt ids); CPU only."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE_CONFIG = os.path.join(HERE, "qwen3.6-27b-config.json")
+
+# Text-model shapes. "27b" is the published Qwen3.6-27B config; "4b" halves hidden size, layers
+# and every head count (head dims unchanged): about 3.0B non-embedding + 1.3B embedding params,
+# not a released checkpoint. "tiny" is a smoke test. Full attention is every 4th layer.
+SHAPES = {
+    "27b": {},
+    "4b": dict(
+        hidden_size=2560,
+        num_hidden_layers=32,
+        intermediate_size=8704,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        linear_num_key_heads=8,
+        linear_num_value_heads=24,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=8,
+        intermediate_size=512,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+}
+# Layer ids to extract (k = residual stream after k decoder layers). 64 layers: speculators'
+# EAGLE-3 style spread; 32 layers: the same positions halved.
+DEFAULT_LAYERS = {64: [1, 16, 31, 46, 61, 64], 32: [1, 8, 16, 23, 31, 32], 8: [1, 2, 4, 6, 7, 8]}
+
+# The mixed workload: prompt lengths ~ lognormal(mu, sigma) tokens, clipped, fixed seed.
+MIXED_N, MIXED_MU, MIXED_SIGMA, MIXED_CLIP = 256, 6.93, 1.0, (16, 8192)  # median e^6.93 ~ 1024
+WARMUP_PROMPTS = 8
+TOKEN_RANGE = (1000, 150000)  # random prompt ids, clear of special and image/video token ids
+
+
+def model_config(shape: str) -> dict:
+    with open(REFERENCE_CONFIG) as f:
+        cfg = json.load(f)
+    cfg.pop("_comment", None)
+    text = cfg["text_config"]
+    text.update(SHAPES[shape])
+    n = text["num_hidden_layers"]
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(n)
+    ]
+    cfg["vision_config"]["out_hidden_size"] = text["hidden_size"]
+    return cfg
+
+
+def write_model_dir(root: str, shape: str) -> str:
+    """A model folder with config.json only: enough for load_format="dummy"."""
+    path = os.path.join(root, f"qwen3.6-{shape}-dummy")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model_config(shape), f, indent=1)
+    return path
+
+
+def model_summary(shape: str) -> dict:
+    """The text-model numbers report.py needs for the FLOPs/roofline formula."""
+    t = model_config(shape)["text_config"]
+    out = {k: v for k, v in t.items() if not isinstance(v, (list, dict, str))}
+    out["num_full_attention_layers"] = t["layer_types"].count("full_attention")
+    out["num_linear_attention_layers"] = t["layer_types"].count("linear_attention")
+    return out
+
+
+@dataclass
+class Workload:
+    name: str
+    lengths: list[int]
+    output_tokens: int = 0  # 0: prefill only (max_tokens=1); K: K tokens, include_output_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.output_tokens, 1)
+
+    def stats(self) -> dict:
+        # Tokens that go through a forward pass: the prompt, plus all generated tokens but
+        # the last. attn_ctx_mean: keys an average such token attends to (report.py's FLOPs).
+        seen = [n + max(self.output_tokens - 1, 0) for n in self.lengths]
+        return dict(
+            workload=self.name,
+            num_requests=len(self.lengths),
+            prompt_tokens=sum(self.lengths),
+            output_tokens_requested=self.output_tokens,
+            processed_tokens=sum(seen),
+            mean_len=round(statistics.mean(self.lengths), 1),
+            median_len=statistics.median(self.lengths),
+            min_len=min(self.lengths),
+            max_len=max(self.lengths),
+            attn_ctx_mean=round(sum(t * (t + 1) / 2 for t in seen) / sum(seen), 1),
+        )
+
+
+def make_workload(name: str, seed: int) -> Workload:
+    m = re.fullmatch(r"(\d+)x(\d+)(?:-out(\d+))?", name)
+    if m:
+        return Workload(name, [int(m[2])] * int(m[1]), int(m[3] or 0))
+    m = re.fullmatch(r"mixed(?:-out(\d+))?", name)
+    if m:
+        rng = random.Random(f"mixed:{seed}")
+        lo, hi = MIXED_CLIP
+        lengths = [
+            min(hi, max(lo, round(rng.lognormvariate(MIXED_MU, MIXED_SIGMA))))
+            for _ in range(MIXED_N)
+        ]
+        return Workload(name, lengths, int(m[1] or 0))
+    raise ValueError(
+        f"unknown workload {name!r}: use NxL (e.g. 128x1024), NxL-outK, mixed or mixed-outK"
+    )
+
+
+def prompt_ids(w: Workload, seed: int) -> list[list[int]]:
+    base = w.name.split("-out")[0]  # mixed-out256 gets the prompts of mixed
+    rng = random.Random(f"tokens:{base}:{seed}")
+    return [[rng.randrange(*TOKEN_RANGE) for _ in range(n)] for n in w.lengths]
+
+
+def bytes_needed(w: Workload, spec: dict) -> int:
+    """Hidden-state bytes one run of w writes: processed tokens x (layers x hidden x 2 B + 8 B)."""
+    hidden = model_config(spec["shape"])["text_config"]["hidden_size"]
+    return w.stats()["processed_tokens"] * (len(spec["layers"]) * hidden * 2 + 8)
