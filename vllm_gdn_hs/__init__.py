@@ -30,7 +30,9 @@ def register() -> None:
     """Check the vLLM version, apply its runtime patches, register the connector.
 
     Idempotent and cheap: the connector is registered by module path, so its
-    torch-heavy code is imported only when a config names it. On a vLLM release the
+    torch-heavy code is imported only when a config names it. The patches are applied in
+    every process and are inert unless the engine's config names our connector
+    (``tests/test_register.py`` shows the config is then stock vLLM's). On a vLLM release the
     plugin does not support it never raises (vLLM calls it in every process, also those
     that never use the connector): it logs one warning, applies nothing, and registers
     :mod:`vllm_gdn_hs.unsupported` under the connector's name, so that naming the

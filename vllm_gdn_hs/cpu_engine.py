@@ -9,7 +9,9 @@ kernels), and ask each real layer for its KV cache spec, then run vLLM's
 generic ``Platform.update_block_size_for_backend``, the step the GPU
 executors run after building the model (CpuPlatform skips it).
 
-Import this module before anything else from vLLM (``tests/conftest.py`` does).
+Import this module before anything else from vLLM (``tests/conftest.py`` does, through
+``tests/harness.py``), and never in a process that runs vLLM on a GPU: it switches the
+process's platform. Used by the CPU tests and by ``benchmarks/kv_capacity.py``.
 """
 
 from __future__ import annotations
