@@ -1,4 +1,4 @@
-"""Real vLLM 0.20.1 configs, KV cache specs and schedulers on a machine without a GPU.
+"""Real vLLM configs, KV cache specs and schedulers on a machine without a GPU (0.20.1, 0.26.0).
 
 vLLM's CUDA wheel sees no GPU here, so its platform is "unspecified" and
 ``EngineArgs.create_engine_config()`` fails. We install vLLM's own

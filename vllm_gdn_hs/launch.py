@@ -1,7 +1,7 @@
 """Start ``vllm serve`` for hidden-state extraction: a drop-in for speculators' launcher.
 
 Mirrors speculators' ``scripts/launch_vllm.py`` (0.9.0): the same options,
-defaults, layer ids and command, with three differences:
+defaults, layer ids and command, with these differences:
 
 - the KV connector is ``HybridHiddenStatesConnector`` instead of
   ``ExampleHiddenStatesConnector``, so GDN hybrid models (Qwen3.5/3.6) work with

@@ -54,12 +54,13 @@ class HybridHiddenStatesConnectorWorker:
         # Host cost, for the logs: steps saved, seconds of the engine thread in save()
         # (waits for a free host buffer included, and counted apart), of drain work.
         self.timing = dict(steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0)
-        self.stats_lock = threading.Lock()
         # Rows of finished requests not yet written, bounded by write_backlog_gb: past it
         # the drain thread waits for the writers, the ring fills and the engine slows to
         # the speed of the writes instead of the host running out of memory.
         self.backlog_bytes = 0
-        self.backlog = threading.Condition(self.stats_lock)
+        # One lock (with its condition) for the stats and the backlog: writers, the drain
+        # thread and the progress line share both.
+        self.stats_lock = threading.Condition()
         self.last_log = time.monotonic()
         self.drain = threading.Thread(target=self._drain_loop, name="hs-drain", daemon=True)
         self.drain.start()
@@ -232,7 +233,7 @@ class HybridHiddenStatesConnectorWorker:
             return
         nbytes = len(fin.token_ids) * self.num_layers * self.hidden * self.dtype.itemsize
         limit = self.cfg.write_backlog_gb * 1e9
-        with self.backlog:
+        with self.stats_lock:
             if self.backlog_bytes and self.backlog_bytes + nbytes > limit:
                 logger.warning_once(
                     "%s: %.1f GB of finished requests wait for their files to be written "
@@ -242,7 +243,7 @@ class HybridHiddenStatesConnectorWorker:
                     self.backlog_bytes / 1e9,
                     self.cfg.write_backlog_gb,
                 )
-                self.backlog.wait_for(
+                self.stats_lock.wait_for(
                     lambda: not self.backlog_bytes or self.backlog_bytes + nbytes <= limit
                 )
             self.backlog_bytes += nbytes
@@ -279,10 +280,10 @@ class HybridHiddenStatesConnectorWorker:
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
             release_lock(buf.lock_fd, path, remove=not ok)
-            with self.backlog:
+            with self.stats_lock:
                 self.pending_writes -= 1
                 self.backlog_bytes -= nbytes
-                self.backlog.notify_all()
+                self.stats_lock.notify_all()
                 self.stats["files" if ok else "failed"] += 1
                 if ok:
                     self.stats["bytes"] += nbytes
