@@ -527,10 +527,25 @@ def test_non_integer_layer_id(capsys, hybrid):
 @pytest.mark.parametrize("backend", ["mooncake", "redis", "File"])
 def test_unknown_backend(capsys, hybrid, backend):
     err = fail(capsys, hybrid, "--hidden-states-backend", backend)
+    why = " (mooncake is not supported yet: it keeps hidden states in the KV cache)"
     assert err == (
         f"error: --hidden-states-backend {backend!r} is not available: vllm-gdn-hs ships "
-        "only 'file'\n"
+        f"'file' and 'fp8'{why if backend == 'mooncake' else ''}\n"
     )
+
+
+def test_fp8_backend_as_speculators_names_it(capsys, hybrid):
+    """--hidden-states-backend fp8: the same options and files as the file backend, with
+    the connector's fp8 option on; it cannot be set by hand beside another backend."""
+    cmd = dry_run(capsys, hybrid, "--hidden-states-backend", "fp8", "--hidden-states-path", "/x")
+    kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+    assert kv["kv_connector"] == "HybridHiddenStatesConnector"
+    assert kv["kv_connector_extra_config"] == {"shared_storage_path": "/x", "fp8": True}
+    plain = dry_run(capsys, hybrid, "--hidden-states-path", "/x")
+    kv = json.loads(plain[plain.index("--kv_transfer_config") + 1])
+    assert "fp8" not in kv["kv_connector_extra_config"]
+    err = fail(capsys, hybrid, "--", "--kv-transfer-config.kv_connector_extra_config.fp8=true")
+    assert "use --hidden-states-backend fp8 instead" in err
 
 
 def test_missing_model_argument(capsys):

@@ -81,9 +81,9 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
         if rows:
             from safetensors.torch import load_file
 
-            from vllm_gdn_hs.files import check_rows
+            from vllm_gdn_hs.files import check_rows, hidden_states_of
 
-            if why := check_rows(load_file(path)["hidden_states"]):
+            if why := check_rows(hidden_states_of(load_file(path))):
                 raise ValueError(why)
     except FileNotFoundError:
         out["gone"] += 1

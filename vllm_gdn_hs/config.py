@@ -25,6 +25,11 @@ class HiddenStatesConfig(BaseModel):
         description="threads writing files",
     )
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
+    fp8: bool = Field(
+        False,
+        description="write hidden_states as float8_e4m3fn with one fp32 scale per token "
+        "(hidden_states_scales [T, 1, 1]), quantized on the GPU: speculators' fp8 backend",
+    )
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"
     )

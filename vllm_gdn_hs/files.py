@@ -27,6 +27,7 @@ import threading
 import time
 
 SUFFIX = ".safetensors"
+SCALES = "hidden_states_scales"  # fp8 files: one fp32 scale per token (hs-connectors' name)
 _LOGGER = "vllm.vllm_gdn_hs.files"  # inside vLLM's logger tree, as init_logger names ours
 LOCK_SUFFIX = ".lock"
 # A name's stem is at most this long: with the suffixes (.safetensors.lock, our temp
@@ -226,20 +227,24 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 # -- the write ---------------------------------------------------------------------------
 
 
-def write_file(path, hidden_states, token_ids) -> None:
+def write_file(path, hidden_states, token_ids, scales=None) -> None:
     """Write atomically: a temp file in the same folder, then rename; mode as the umask gives
-    (safetensors' own temp file is 0600). A missing folder is made again."""
+    (safetensors' own temp file is 0600). A missing folder is made again. With ``scales``
+    ([T, 1, 1] fp32), ``hidden_states`` is float8_e4m3fn: hs-connectors' fp8 file."""
     from safetensors.torch import save_file
 
+    tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
+    if scales is not None:
+        tensors[SCALES] = scales
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         try:
-            save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
+            save_file(tensors, tmp)
         except Exception:  # safetensors raises its own error type for I/O errors
             if os.path.isdir(os.path.dirname(path)):
                 raise
             make_folder_again(os.path.dirname(path))
-            save_file({"hidden_states": hidden_states, "token_ids": token_ids}, tmp)
+            save_file(tensors, tmp)
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
@@ -314,7 +319,22 @@ def layout(tensors: dict) -> tuple[int, int, int, str]:
     t, layers, hidden = hs["shape"]
     if ids["dtype"] != "I64" or ids["shape"] != [t]:
         raise ValueError(f"token_ids {ids['dtype']} {ids['shape']} for {t} rows (want I64 [{t}])")
+    scales = tensors.get(SCALES)
+    if (hs["dtype"] == "F8_E4M3") != (scales is not None):
+        raise ValueError(f"hidden_states {hs['dtype']} with {'no ' * (scales is None)}{SCALES}")
+    if scales is not None and (scales["dtype"] != "F32" or scales["shape"] != [t, 1, 1]):
+        raise ValueError(f"{SCALES} {scales['dtype']} {scales['shape']} (want F32 [{t}, 1, 1])")
     return t, layers, hidden, hs["dtype"]
+
+
+def hidden_states_of(data: dict):
+    """A file's ``hidden_states`` as numbers: fp8 ones dequantized as hs-connectors'
+    ``FP8Transfer`` does (to bf16, times the token's scale)."""
+    if SCALES not in data:
+        return data["hidden_states"]
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    return dequantize_fp8_tensor(data["hidden_states"], data[SCALES])
 
 
 # -- the rows ----------------------------------------------------------------------------

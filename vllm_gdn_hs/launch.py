@@ -43,11 +43,14 @@ from vllm_gdn_hs.serve_args import (
 LAUNCHER_OPTIONS = {
     "shared_storage_path": "--hidden-states-path",
     "layer_ids": "--target-layer-ids",
+    "fp8": "--hidden-states-backend fp8",
 }
 
 
 class FileBackend:
     """One safetensors file per request under ``--hidden-states-path``."""
+
+    options: dict = {}  # connector options this backend sets
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -58,8 +61,8 @@ class FileBackend:
             help="The directory to save hidden states to. Default '/tmp/hidden_states'",
         )
 
-    @staticmethod
-    def build_kv_transfer_config(args: argparse.Namespace, user: dict) -> dict:
+    @classmethod
+    def build_kv_transfer_config(cls, args: argparse.Namespace, user: dict) -> dict:
         """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
         from pydantic import ValidationError
 
@@ -90,11 +93,21 @@ class FileBackend:
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
             ) from None
         path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        return {**user, **extraction_config([], path, **extra)["kv_transfer_config"]}
+        kv = extraction_config([], path, **extra, **cls.options)["kv_transfer_config"]
+        return {**user, **kv}
+
+
+class Fp8Backend(FileBackend):
+    """speculators' ``fp8`` backend: the same files with ``hidden_states`` in float8_e4m3fn and
+    one fp32 scale per token (``hidden_states_scales``), read by hs-connectors'
+    ``FP8Transfer``; quantized on the GPU, so the copy out and host memory halve too."""
+
+    options = {"fp8": True}
 
 
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.
-BACKENDS: dict[str, type[FileBackend]] = {"file": FileBackend}
+# speculators' "mooncake" keeps hidden states in the KV cache and is not offered.
+BACKENDS: dict[str, type[FileBackend]] = {"file": FileBackend, "fp8": Fp8Backend}
 
 _USAGE = (
     "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
@@ -118,8 +131,8 @@ def make_parser(prog: str = "launch_vllm.py") -> argparse.ArgumentParser:
         help="Hidden states transfer backend. Each backend may add its own CLI arguments. "
         "Default: 'file'.",
     )
-    for backend in BACKENDS.values():
-        backend.add_launch_args(parser)
+    for add_launch_args in dict.fromkeys(b.add_launch_args for b in BACKENDS.values()):
+        add_launch_args(parser)  # once each: fp8 has the file backend's options
     parser.add_argument(
         "--target-layer-ids",
         type=int,
@@ -207,7 +220,12 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     if backend is None:
         raise LaunchError(
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
-            f"vllm-gdn-hs ships only {', '.join(repr(b) for b in BACKENDS)}"
+            f"vllm-gdn-hs ships {' and '.join(repr(b) for b in BACKENDS)}"
+            + (
+                " (mooncake is not supported yet: it keeps hidden states in the KV cache)"
+                if args.hidden_states_backend == "mooncake"
+                else ""
+            )
         )
     from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
 

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from vllm_gdn_hs.files import check_rows
+from vllm_gdn_hs.files import SCALES, check_rows, hidden_states_of
 
 # Per run and layer, pooled over the run's files: ours <= BAR_FACTOR x HF bf16's error.
 BAR_FACTOR = 1.1
@@ -114,7 +114,7 @@ def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
 
 def file_problems(data: dict, prompt: list[int], num_layers: int, hidden: int) -> list[str]:
     """What is wrong with one extracted file, beyond numbers (empty if nothing)."""
-    hs, ids = data["hidden_states"], data["token_ids"]
+    hs, ids = hidden_states_of(data), data["token_ids"]
     problems = []
     if ids.dtype != torch.int64 or ids.tolist() != list(prompt):
         problems.append("token_ids differ from the prompt")
@@ -295,7 +295,11 @@ class HFReference:
         fp32 of ``ours`` and of ``hf_bf16`` (empty lists if the shape is wrong). A file of
         the right shape is pooled into the run (:meth:`pooled`), problems or not."""
         ref32, ref16 = self(seq)
-        hs = data["hidden_states"]
+        hs = hidden_states_of(data)
+        if SCALES in data:  # an fp8 file: the yardstick is HF bf16 put through the same fp8
+            from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+            ref16 = dequantize_fp8_tensor(*quantize_tensor_to_fp8(ref16))
         problems = file_problems(data, seq, len(self.layer_ids), ref32.shape[-1])
         ours, hf = [], []
         if hs.shape == ref32.shape:

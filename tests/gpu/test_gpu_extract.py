@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from vllm_gdn_hs.config import extraction_config
-from vllm_gdn_hs.files import load_hidden_states, lock_held
+from vllm_gdn_hs.files import hidden_states_of, load_hidden_states, lock_held, read_header
 from vllm_gdn_hs.reference import (
     BAR_FACTOR,
     GROSS_FACTOR,
@@ -37,6 +37,7 @@ from vllm_gdn_hs.reference import (
     describe,
     describe_pooled,
     file_problems,
+    relative_errors,
     worst_by_layer,
 )
 from vllm_gdn_hs.testing import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
@@ -92,7 +93,7 @@ def save_results():
 
 
 @contextmanager
-def engine(model: str, kind: str, storage: str, extract: bool | str = True, **kw):
+def engine(model: str, kind: str, storage: str, extract: bool | str = True, options=None, **kw):
     from vllm import LLM
 
     args = dict(
@@ -111,7 +112,7 @@ def engine(model: str, kind: str, storage: str, extract: bool | str = True, **kw
         kv["kv_connector_extra_config"]["layer_ids"] = LAYERS[kind]
         args["kv_transfer_config"] = kv
     elif extract:  # as speculators asks for it
-        args.update(extraction_config(LAYERS[kind], storage))
+        args.update(extraction_config(LAYERS[kind], storage, **(options or {})))
     args.update(kw)
     llm = LLM(**args)
     try:
@@ -366,3 +367,34 @@ def test_preemption(models, reference, tmp_path):
         print(f"\npreemptions: {preempted}")
         _check("hybrid", outs, prompts, reference, "hybrid_preemption", include_outputs=True)
         assert preempted and preempted[0] > 0, "the test did not preempt; shrink the cache"
+
+
+def _payload(path: str) -> int:
+    return sum(e - b for b, e in (t["data_offsets"] for t in read_header(path).values()))
+
+
+def test_hybrid_fp8(models, reference, tmp_path):
+    """speculators' fp8 backend, quantized on the GPU: every file judged against HF fp32, with
+    HF bf16 put through the same fp8 quantization as the yardstick; the dequantized error
+    against our own bf16 files of the same prompts and the bytes per token are recorded."""
+    prompts = BASE + MANY[:20]
+    paths = {}
+    for fmt, options in (("bf16", None), ("fp8", {"fp8": True})):
+        storage = str(tmp_path / fmt)
+        with engine(models["hybrid"], "hybrid", storage, options=options) as llm:
+            outs = _generate(llm, prompts)
+            if fmt == "fp8":
+                _check("hybrid", outs, prompts, reference, "hybrid_fp8")
+            paths[fmt] = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+    worst, ratios = [0.0] * len(LAYERS["hybrid"]), []
+    for p8, p16 in zip(paths["fp8"], paths["bf16"], strict=True):
+        d8, d16 = load_hidden_states(p8, timeout=30), load_hidden_states(p16, timeout=30)
+        assert d8["hidden_states"].dtype == torch.float8_e4m3fn
+        assert torch.equal(d8["token_ids"], d16["token_ids"])
+        errs = relative_errors(hidden_states_of(d8), d16["hidden_states"])
+        worst = [max(w, e) for w, e in zip(worst, errs, strict=True)]
+        ratios.append(_payload(p8) / _payload(p16))
+    RESULTS["hybrid_fp8"]["vs_our_bf16_files_by_layer"] = [round(e, 4) for e in worst]
+    RESULTS["hybrid_fp8"]["bytes_per_token_vs_bf16"] = round(max(ratios), 4)
+    print(f"\nfp8 vs our bf16 files, worst by layer {worst}; bytes per token x {max(ratios):.4f}")
+    assert max(ratios) <= 0.52

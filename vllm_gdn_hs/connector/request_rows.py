@@ -35,11 +35,13 @@ class RequestRows:
         dtype: torch.dtype,
         flush_rows: int = _PENDING_ROWS,
         lock: bool = True,
+        norms_width: int | None = None,
     ):
         self.req = req
         self.flush_rows = flush_rows
         self.rows = torch.empty((0, num_layers, hidden), dtype=dtype)
-        self.norms = torch.empty((0, num_layers), dtype=torch.float32)
+        # Per row: each layer's norm, and with fp8 one more column, the row's scale.
+        self.norms = torch.empty((0, norms_width or num_layers), dtype=torch.float32)
         self.seen = bytearray()  # 1 where a position's row has arrived
         self.pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []  # block, norms, i, pos
         try:

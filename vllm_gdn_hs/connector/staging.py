@@ -29,15 +29,20 @@ class HostSlot:
 
 
 class HostRing:
-    """``num_slots`` pinned slots of ``max_tokens`` rows each, used in turn."""
+    """``num_slots`` pinned slots of ``max_tokens`` rows each, used in turn. With ``fp8`` the
+    rows are quantized on the GPU before the copy (hs-connectors' per-token float8_e4m3fn
+    scaling), so the copy and the ring are half the size; each row's scale travels as one
+    more column after its layer norms, which are taken before quantization."""
 
-    def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device: torch.device):
+    def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"
+        self.fp8 = fp8
         self.stream = torch.cuda.Stream(device=device) if cuda else None
+        dtype = torch.float8_e4m3fn if fp8 else dtype
         self.slots = [
             HostSlot(
                 torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=cuda),
-                torch.empty((max_tokens, num_layers), dtype=torch.float32, pin_memory=cuda),
+                torch.empty((max_tokens, num_layers + fp8), dtype=torch.float32, pin_memory=cuda),
                 torch.empty(max_tokens, dtype=torch.int64, pin_memory=cuda),
                 torch.cuda.Event() if cuda else None,
                 threading.Event(),
@@ -70,15 +75,28 @@ class HostRing:
             waited = time.monotonic() - start
         slot.free.clear()
         if self.stream is None:
-            slot.hidden_states[:num_tokens].copy_(hidden_states)
-            slot.norms[:num_tokens].copy_(row_norms(hidden_states))
+            rows, norms = self._rows_and_norms(hidden_states)
+            slot.hidden_states[:num_tokens].copy_(rows)
+            slot.norms[:num_tokens].copy_(norms)
             slot.positions[:num_tokens].copy_(positions)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                slot.hidden_states[:num_tokens].copy_(hidden_states, non_blocking=True)
-                slot.norms[:num_tokens].copy_(row_norms(hidden_states), non_blocking=True)
+                rows, norms = self._rows_and_norms(hidden_states)
+                slot.hidden_states[:num_tokens].copy_(rows, non_blocking=True)
+                slot.norms[:num_tokens].copy_(norms, non_blocking=True)
                 slot.positions[:num_tokens].copy_(positions, non_blocking=True)
                 slot.copied.record(self.stream)
             self.last_copy = slot.copied
         return slot, waited
+
+    def _rows_and_norms(self, hidden_states: torch.Tensor):
+        """What goes to the host: the rows (quantized with fp8) and their norms (of the
+        unquantized rows; with fp8 the scale as a last column)."""
+        norms = row_norms(hidden_states)
+        if not self.fp8:
+            return hidden_states, norms
+        from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+        rows, scales = quantize_tensor_to_fp8(hidden_states)
+        return rows, torch.cat([norms, scales.view(-1, 1)], dim=1)

@@ -42,8 +42,11 @@ class HybridHiddenStatesConnectorWorker:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.cfg, self.num_layers, self.hidden, self.dtype = cfg, num_layers, hidden, dtype
-        self.ring = HostRing(cfg.host_buffers, max_tokens, num_layers, hidden, dtype, device)
+        self.ring = HostRing(
+            cfg.host_buffers, max_tokens, num_layers, hidden, dtype, device, fp8=cfg.fp8
+        )
+        self.cfg, self.num_layers, self.hidden = cfg, num_layers, hidden
+        self.dtype = self.ring.slots[0].hidden_states.dtype  # as stored: fp8 with cfg.fp8
         self.requests: dict[str, RequestRows] = {}
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks
@@ -81,6 +84,7 @@ class HybridHiddenStatesConnectorWorker:
                     self.dtype,
                     flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
                     lock=self.cfg.use_synchronization_lock,
+                    norms_width=self.num_layers + self.cfg.fp8,
                 )
                 self.created += 1
             except Exception as e:  # never stop the engine for one request's file
@@ -264,10 +268,14 @@ class HybridHiddenStatesConnectorWorker:
             if missing is None or missing:
                 where = "beyond the rows computed" if missing is None else missing
                 raise RuntimeError(f"hidden states missing for token positions {where}")
-            hidden_states = buf.rows[:n]
-            if self.cfg.validate_rows and (why := check_norms(buf.norms[:n])):
+            hidden_states, norms = buf.rows[:n], buf.norms[:n]
+            if self.cfg.validate_rows and (why := check_norms(norms[:, : self.num_layers])):
                 raise RuntimeError(why)
-            files.write_file(path, hidden_states, torch.tensor(token_ids, dtype=torch.int64))
+            scales = (
+                norms[:, self.num_layers :].reshape(n, 1, 1).contiguous() if self.cfg.fp8 else None
+            )
+            ids = torch.tensor(token_ids, dtype=torch.int64)
+            files.write_file(path, hidden_states, ids, scales)
             ok = True
         except Exception as e:
             logger.error(
