@@ -7,8 +7,8 @@ import shutil
 import time
 
 from host import GpuMemPoller
+from outputs import check_space, dir_bytes, record_error, reset_dir
 from records import OK, SKIPPED
-from worker import check_space, dir_bytes, record_error, reset_dir
 from workloads import make_workload, model_config, prompt_ids
 
 

@@ -13,55 +13,13 @@ import traceback
 
 from host import GpuMemPoller
 from logparse import generating_mark, ready_mark
-from records import FAILED, OK, SKIPPED
-from workloads import WARMUP_PROMPTS, Workload, bytes_needed, make_workload, prompt_ids
+from outputs import check_space, dir_bytes, record_error, reset_dir
+from records import FAILED, OK
+from workloads import WARMUP_PROMPTS, make_workload, prompt_ids
 
 from vllm_gdn_hs.files import take_finished
 
 CONNECTORS = {"ours": "HybridHiddenStatesConnector", "upstream": "ExampleHiddenStatesConnector"}
-
-
-class Skip(Exception):
-    """A workload not run, for a reason given in one line (no traceback in the record)."""
-
-
-def record_error(rec: dict, e: Exception) -> None:
-    """A workload's failure in its record: a Skip as its one line, else the traceback."""
-    if isinstance(e, Skip):
-        rec.update(status=SKIPPED, error=str(e))
-    else:
-        rec.update(status=FAILED, error=traceback.format_exc(limit=-3))
-
-
-def reset_dir(path: str) -> None:
-    """Empty path but keep the folder itself: a connector may have created it only once."""
-    os.makedirs(path, exist_ok=True)
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            os.remove(p)
-
-
-def dir_bytes(path: str) -> tuple[int, int]:
-    """(bytes, number of .safetensors files) under path."""
-    total = files = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            total += os.path.getsize(os.path.join(root, name))
-            files += name.endswith(".safetensors")
-    return total, files
-
-
-def check_space(out_dir: str, w: Workload, spec: dict) -> None:
-    """Refuse a workload whose files would not fit (tmpfs is RAM: a full one stalls the run)."""
-    need, free = bytes_needed(w, spec), shutil.disk_usage(out_dir).free
-    if need * 1.1 > free:
-        raise Skip(
-            f"skipped: {w.name} writes about {need / 1e9:.1f} GB, only {free / 1e9:.1f} GB free "
-            f"in {out_dir}"
-        )
 
 
 def wait_files_ready(out_dir: str, outputs, expected: int, timeout: float) -> float:
