@@ -142,7 +142,10 @@ def test_hostile_headers_through_uvicorn():
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
-    from vllm.entrypoints.openai.server_utils import XRequestIdMiddleware
+    try:  # where vLLM keeps its request-id middleware: 0.26.0, then 0.20.1
+        from vllm.entrypoints.serve.utils.server_utils import XRequestIdMiddleware
+    except ImportError:
+        from vllm.entrypoints.openai.server_utils import XRequestIdMiddleware
 
     async def completions(request):  # the engine's request id, as vLLM's endpoint makes it
         kv = {"hidden_states_error": f"cmpl-{request.headers.get('X-Request-Id')}-0"}
