@@ -142,6 +142,7 @@ def test_hostile_headers_through_uvicorn():
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
+
     try:  # where vLLM keeps its request-id middleware: 0.26.0, then 0.20.1
         from vllm.entrypoints.serve.utils.server_utils import XRequestIdMiddleware
     except ImportError:
