@@ -326,6 +326,8 @@ class Soak:
             with self.lock:
                 self.in_flight -= 1
                 self.done += 1
+                if self.done % 100 == 0:  # a run cut short still shows how far it got
+                    print(f"[soak] {self.done} responses, {self.in_flight} in flight", flush=True)
                 if self.done == self.delete_after:
                     self.deleter = threading.Thread(target=self._delete_folder)
                     self.deleter.start()
@@ -689,6 +691,7 @@ def main(argv=None) -> int:
             t1 = time.monotonic()
             wait_healthy(proc, url, log_path)
             timings["server_start_s"] = round(time.monotonic() - t1, 1)
+            print(f"[soak] server healthy after {timings['server_start_s']} s", flush=True)
             soak = Soak(url, model_dir, folder, reference, args.concurrency, limit=args.time_limit)
             t1 = time.monotonic()
             records = soak.run(plan, delete_after=len(plan) // 2)
