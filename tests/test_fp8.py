@@ -37,10 +37,8 @@ def rows(n: int) -> torch.Tensor:
     )
 
 
-def extract(folder, data: dict[str, torch.Tensor], fp8: bool) -> dict[str, str]:
-    """Each request's rows through the worker side: its prompt in two prefill chunks, then
-    three decode steps of one row (the short-run path); returns request id -> file."""
-    worker = HybridHiddenStatesConnectorWorker(
+def make_worker(folder, fp8: bool) -> HybridHiddenStatesConnectorWorker:
+    return HybridHiddenStatesConnectorWorker(
         HiddenStatesConfig(shared_storage_path=str(folder), fp8=fp8),
         max_tokens=256,
         num_layers=L,
@@ -48,6 +46,12 @@ def extract(folder, data: dict[str, torch.Tensor], fp8: bool) -> dict[str, str]:
         dtype=torch.bfloat16,
         device=torch.device("cpu"),
     )
+
+
+def extract(folder, data: dict[str, torch.Tensor], fp8: bool) -> dict[str, str]:
+    """Each request's rows through the worker side: its prompt in two prefill chunks, then
+    three decode steps of one row (the short-run path); returns request id -> file."""
+    worker = make_worker(folder, fp8)
     paths = {r: os.path.join(folder, files.file_name(r)) for r in data}
     new = [NewRequest(r, paths[r], len(d) - 3, len(d)) for r, d in data.items()]
     worker.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=new))
@@ -125,14 +129,7 @@ def test_rows_are_checked_before_quantization(tmp_path, caplog):
     zero, nan = rows(6), rows(6)
     zero[3] = 0
     nan[2, 1, 5] = float("nan")
-    worker = HybridHiddenStatesConnectorWorker(
-        HiddenStatesConfig(shared_storage_path=str(tmp_path), fp8=True),
-        max_tokens=64,
-        num_layers=L,
-        hidden=H,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-    )
+    worker = make_worker(tmp_path, fp8=True)
     reqs = {"zero": zero, "nan": nan}
     new = [NewRequest(r, str(tmp_path / files.file_name(r)), 6) for r in reqs]
     worker.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=new))

@@ -57,21 +57,21 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
     """Sort one request (``path`` = its data file); return its layout when it is complete.
     The folder was listed a moment ago: a live run moves on meanwhile, so anything that looks
     wrong is looked at again before it is reported."""
-    held = lock_held(path + ".lock") if has_lock else False
+    held = lock_held(path + LOCK_SUFFIX) if has_lock else False
     if held:
         out["being_written"] += 1
         return None
     if not os.path.exists(path):
-        if not os.path.exists(path + ".lock"):
+        if not os.path.exists(path + LOCK_SUFFIX):
             out["gone"] += 1  # read and moved away (offline generation), or just consumed
-        elif lock_held(path + ".lock"):
+        elif lock_held(path + LOCK_SUFFIX):
             out["being_written"] += 1  # a writer took its lock after the listing
         elif os.path.exists(path):
             return _request(out, path, False, rows)  # finished after the listing
         elif held is None:
-            out["problems"][UNREADABLE].append((path + ".lock", "permission denied"))
+            out["problems"][UNREADABLE].append((path + LOCK_SUFFIX, "permission denied"))
         else:
-            out["problems"][LOST].append((path + ".lock", "no file"))
+            out["problems"][LOST].append((path + LOCK_SUFFIX, "no file"))
         return None
     kind = BROKEN
     try:

@@ -22,7 +22,7 @@ from vllm_gdn_hs.files import row_norms
 @dataclass
 class HostSlot:
     hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
-    norms: torch.Tensor  # pinned [max_tokens, L] float32
+    norms: torch.Tensor  # pinned [max_tokens, L] float32; with fp8 [max_tokens, L + 1]: + scale
     positions: torch.Tensor  # pinned [max_tokens] int64
     copied: torch.cuda.Event | None  # None on CPU
     free: threading.Event

@@ -88,7 +88,7 @@ class HybridHiddenStatesConnectorWorker:
                 )
                 self.created += 1
             except Exception as e:  # never stop the engine for one request's file
-                self._failed(req.req_id, f"cannot lock {req.path}.lock: {e}")
+                self._failed(req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
         for fin in meta.finished_requests:
             self.tasks.put(("finish", fin))
 
@@ -278,13 +278,7 @@ class HybridHiddenStatesConnectorWorker:
             files.write_file(path, hidden_states, ids, scales)
             ok = True
         except Exception as e:
-            logger.error(
-                "%s: request %r: no hidden-states file written to %s: %s",
-                CONNECTOR_NAME,
-                buf.req.req_id,
-                path,
-                e,
-            )
+            self._failed(buf.req.req_id, f"not written to {path}: {e}")
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
             release_lock(buf.lock_fd, path, remove=not ok)
@@ -292,8 +286,8 @@ class HybridHiddenStatesConnectorWorker:
                 self.pending_writes -= 1
                 self.backlog_bytes -= nbytes
                 self.stats_lock.notify_all()
-                self.stats["files" if ok else "failed"] += 1
                 if ok:
+                    self.stats["files"] += 1
                     self.stats["bytes"] += nbytes
             self._log_progress()
 
