@@ -34,6 +34,7 @@ def config_error(model, **kw) -> str:
     return str(e.value)
 
 
+@pytest.mark.smoke
 def test_valid_config_starts(hybrid_model, tmp_path):
     storage = tmp_path / "new" / "folder"
     cfg = harness.engine_config(hybrid_model, storage=str(storage), layer_ids=(8, 1, 4))
@@ -188,6 +189,7 @@ def test_v2_model_runner(hybrid_model, tmp_path, monkeypatch):
         assert "unset VLLM_USE_V2_MODEL_RUNNER" in msg
 
 
+@pytest.mark.smoke
 @pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="vLLM 0.20.1 runs V1 unless told")
 def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
     """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); the runner

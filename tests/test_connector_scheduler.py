@@ -102,6 +102,7 @@ def step(sched, sampled: dict[str, list[int]] | None = None):
     return so, finished
 
 
+@pytest.mark.smoke
 def test_hma_on_with_hybrid_groups(sched):
     assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     kinds = {type(g.kv_cache_spec) for g in sched.kv_cache_config.kv_cache_groups}
@@ -109,6 +110,7 @@ def test_hma_on_with_hybrid_groups(sched):
     assert len(sched.kv_cache_config.kv_cache_groups) == 4
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("model", ["hybrid_model", "dense_model"])
 def test_request_lifecycle(model, request, tmp_path):
     sched = make_scheduler(request.getfixturevalue(model), str(tmp_path))

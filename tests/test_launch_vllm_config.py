@@ -10,8 +10,6 @@ from __future__ import annotations
 import harness  # noqa: F401  (vLLM's CpuPlatform first)
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.openai.cli_args import make_arg_parser
-from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_gdn_hs import CONNECTOR_NAME, launch
 
@@ -19,7 +17,7 @@ from vllm_gdn_hs import CONNECTOR_NAME, launch
 def _vllm_config(argv):
     cmd = launch.build_command(launch.parse_args(argv))
     i = cmd.index("serve")
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[i + 2 :])
+    args = harness.serve_parser().parse_args(cmd[i + 2 :])
     args.model = cmd[i + 1]  # `vllm serve MODEL`: the subcommand's positional
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 

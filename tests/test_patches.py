@@ -1,12 +1,12 @@
 """Run: python -m pytest tests/test_patches.py -q (CPU, no network, patch(1)).
 
-The source patch series in patches/<vllm version>/: every patch applies, in series order and
-with no fuzz, to a copy of the installed vLLM's files, and the patched files compile; the
-series lists every patch once, one per runtime patch module in the order they apply; each
-patch has its DEP-3 header, names its runtime patch in Origin and adds no line of this
-plugin; there is one series per supported release, within the vllm requirement in
-pyproject.toml. The installed release's series is applied; the others are checked as text.
-Skipped (with the reason) where the `patch` binary is missing.
+The source patch series in patches/<release>/ (patches/upstream/ is the pull request,
+tests/test_upstream_patch.py): each folder's VLLM_VERSIONS lists the releases its series
+applies to, and every supported release is listed in exactly one folder. The installed
+release's series applies, in series order and with no fuzz, to a copy of the installed vLLM's
+files, and the patched files compile; each series lists every patch once, one per runtime patch
+module in the order they apply; each patch has its DEP-3 header, names its runtime patch in
+Origin and adds no line of this plugin. Skipped (with the reason) where `patch` is missing.
 """
 
 from __future__ import annotations
@@ -20,17 +20,25 @@ import shutil
 import subprocess
 
 import pytest
+from packaging.version import Version
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(REPO, "patches")
 
 
-def _releases() -> list[str]:
-    """The vLLM releases with a series: every patches/<release>/ folder."""
-    return sorted(d for d in os.listdir(PATCHES) if os.path.isdir(os.path.join(PATCHES, d)))
+def _folders() -> list[str]:
+    """The series folders: every patches/<release>/ (a VLLM_VERSIONS file in it)."""
+    return sorted(
+        d for d in os.listdir(PATCHES) if os.path.isfile(os.path.join(PATCHES, d, "VLLM_VERSIONS"))
+    )
 
 
-RELEASES = _releases()
+def _covers(folder: str) -> list[str]:
+    with open(os.path.join(PATCHES, folder, "VLLM_VERSIONS")) as f:
+        return [ln.strip() for ln in f if ln.strip()]
+
+
+FOLDERS = _folders()
 
 
 def _series(release: str) -> list[str]:
@@ -44,27 +52,29 @@ def _targets(release: str, name: str) -> list[str]:
         return [ln[len("+++ b/") :].split("\t")[0].strip() for ln in f if ln.startswith("+++ b/")]
 
 
-ALL_PATCHES = [(r, name) for r in RELEASES for name in _series(r)]
+ALL_PATCHES = [(r, name) for r in FOLDERS for name in _series(r)]
 
 
 def test_one_series_per_supported_release():
     from vllm_gdn_hs.version import supported_releases, supported_vllm
 
-    assert RELEASES == supported_releases()
-    for release in RELEASES:
-        with open(os.path.join(PATCHES, release, "VLLM_VERSION")) as f:
-            assert f.read().strip() == release
-        assert release in supported_vllm()  # within the pyproject requirement
+    covered = [release for folder in FOLDERS for release in _covers(folder)]
+    assert sorted(covered, key=Version) == supported_releases()  # each once, none else
+    for folder in FOLDERS:
+        assert folder == _covers(folder)[0], "a folder is named after its first release"
+    assert all(release in supported_vllm() for release in covered)  # the pyproject pin
+    folders = {d for d in os.listdir(PATCHES) if os.path.isdir(os.path.join(PATCHES, d))}
+    assert folders == {*FOLDERS, "upstream"}, "a folder without VLLM_VERSIONS"
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", FOLDERS)
 def test_series_lists_every_patch_once_in_order(release):
     files = sorted(f for f in os.listdir(os.path.join(PATCHES, release)) if f.endswith(".patch"))
     assert _series(release) == files
     assert all(re.match(r"\d{4}-[a-z0-9-]+\.patch$", f) for f in files), files
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", FOLDERS)
 def test_series_is_one_twin_per_runtime_patch_in_order(release):
     # patch_worker_gpu_model_runner -> a patch naming worker, gpu, model and runner,
     # whose Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py.
@@ -97,29 +107,30 @@ def test_patch_has_dep3_header_and_no_plugin_code(release, name):
 
 
 INSTALLED = importlib.metadata.version("vllm").split("+")[0]
+FOLDER = next((f for f in FOLDERS if INSTALLED in _covers(f)), None)
 
 
 @pytest.fixture(scope="module")
 def vllm_src() -> str:
     if shutil.which("patch") is None:
         pytest.skip("the `patch` binary is missing (Debian: apt-get install patch)")
-    if INSTALLED not in RELEASES:
-        pytest.skip(f"installed vllm {INSTALLED} has no series in patches/")
+    assert FOLDER is not None, f"installed vllm {INSTALLED} is in no patches/*/VLLM_VERSIONS"
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     return os.path.dirname(os.path.dirname(spec.origin))  # site-packages
 
 
-SERIES = _series(INSTALLED) if INSTALLED in RELEASES else []
-SERIES_DIR = os.path.join(PATCHES, INSTALLED)
+SERIES = _series(FOLDER) if FOLDER else ["(no series)"]
+SERIES_DIR = os.path.join(PATCHES, FOLDER or "")
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("index", range(len(SERIES)), ids=SERIES)
 def test_series_applies_in_order_and_compiles(index, vllm_src, tmp_path):
     """The installed release's series, on a copy of the installed vLLM's files."""
     applied = SERIES[: index + 1]
     for name in applied:
-        for target in _targets(INSTALLED, name):
+        for target in _targets(FOLDER, name):
             dst = tmp_path / target
             if not dst.exists():
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +144,7 @@ def test_series_applies_in_order_and_compiles(index, vllm_src, tmp_path):
             text=True,
         )
         assert proc.returncode == 0, f"{name} does not apply:\n{proc.stdout}{proc.stderr}"
-    for target in _targets(INSTALLED, SERIES[index]):
+    for target in _targets(FOLDER, SERIES[index]):
         patched = tmp_path / target
         with open(os.path.join(vllm_src, target)) as f:
             assert patched.read_text() != f.read(), f"{target} unchanged"

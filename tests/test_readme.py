@@ -274,22 +274,11 @@ def test_launch_commands_print_a_vllm_serve_command(dry_runs, places):
                 assert word in serve, (word, serve)
 
 
-def _serve_parser():
-    try:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-
-        try:
-            from vllm.utils.argparse_utils import FlexibleArgumentParser
-        except ImportError:
-            from vllm.utils import FlexibleArgumentParser
-    except ImportError as e:
-        pytest.skip(f"vLLM's serve parser is not where this test looks: {e}")
-    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-
-
 def test_printed_commands_are_taken_by_vllm_serve(dry_runs, places):
     """Pastable: what the launcher prints parses with vLLM's own `vllm serve` parser."""
-    parser = _serve_parser()
+    import harness
+
+    parser = harness.serve_parser()
     for cmd, serve in dry_runs:
         try:
             args = parser.parse_args(serve[4:])

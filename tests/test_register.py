@@ -21,8 +21,11 @@ from packaging.version import Version
 import vllm_gdn_hs
 from vllm_gdn_hs import patch
 from vllm_gdn_hs.version import (
+    REFUSED,
+    RELEASES,
     UnsupportedVllmError,
     check_vllm,
+    describe_releases,
     installed_vllm,
     supported_releases,
     supported_vllm,
@@ -51,6 +54,7 @@ print("RESULT " + json.dumps(dict(
 """
 
 
+@pytest.mark.smoke
 def test_vllm_plugin_loader_finds_plugin_and_connector(run_python):
     proc = run_python(_LOADER, plugins=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -131,14 +135,21 @@ def _pyproject_vllm_pin() -> Requirement:
     return req
 
 
+# Every vLLM release published from 0.19.1 to 0.33.0 (PyPI), and one to come.
+PUBLISHED = ["0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0"]
+PUBLISHED += ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0"]
+PUBLISHED += ["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
+
+
 def test_supported_vllm_is_the_pyproject_pin():
     pin = _pyproject_vllm_pin()
     assert supported_vllm() == pin.specifier
-    assert supported_releases() == ["0.20.1", "0.26.0"]
-    # The requirement admits exactly the releases with runtime patches.
-    published = ["0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1"]
-    published += ["0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1"]
-    assert [v for v in published if v in pin.specifier] == supported_releases()
+    # The requirement admits exactly the supported releases; every published release between
+    # the first and the last is supported or refused with its reason, never forgotten.
+    assert [v for v in PUBLISHED if v in pin.specifier] == supported_releases()
+    first, last = PUBLISHED.index(RELEASES[0]), PUBLISHED.index(RELEASES[-1])
+    assert sorted([*RELEASES, *REFUSED], key=Version) == PUBLISHED[first : last + 1]
+    assert all(reason.strip() for reason in REFUSED.values())
 
 
 def test_installed_vllm_is_supported():
@@ -150,15 +161,39 @@ def test_installed_vllm_is_supported():
     assert check_vllm(Version("0.26.0")) == Version("0.26.0")
 
 
-@pytest.mark.parametrize("version", ["0.19.0", "0.20.0", "0.20.2", "0.21.0", "0.25.1", "0.27.0"])
-def test_unsupported_vllm_names_supported_versions(version):
+@pytest.mark.parametrize(
+    "version, nearest",
+    [("0.19.0", "0.20.2"), ("0.20.0", "0.20.2"), ("0.34.0", "0.33.0"), ("1.0.0", "0.33.0")],
+)
+def test_unsupported_vllm_names_supported_versions(version, nearest):
     with pytest.raises(UnsupportedVllmError) as e:
         check_vllm(Version(version))
     msg = str(e.value)
     assert f"found vllm {version}" in msg
-    assert "supports vllm 0.20.1 or 0.26.0" in msg
-    assert "pip install 'vllm==0.26.0'" in msg
+    assert f"supports vllm {describe_releases()}" in msg
+    assert f"nearest supported release: pip install 'vllm=={nearest}'" in msg
 
+
+def test_refused_release_says_why_and_what_to_install(monkeypatch):
+    import vllm_gdn_hs.version as v
+
+    monkeypatch.setattr(v, "REFUSED", {"0.24.1": "its hidden states are all zeros"})
+    with pytest.raises(UnsupportedVllmError) as e:
+        check_vllm(Version("0.24.1"))
+    assert str(e.value) == (
+        "vllm-gdn-hs refuses vllm 0.24.1: its hidden states are all zeros. "
+        "Install the nearest supported release: pip install 'vllm==0.24.0'"
+    )
+    assert describe_releases().endswith(", except 0.24.1")
+
+
+# vLLM 0.33.0 configures its logging in each process it starts, not at import: as it does.
+_LOGGING = """
+import vllm.logger
+if hasattr(vllm.logger, "configure_logging_if_needed"):
+    from vllm.config.logging import LoggingConfig
+    vllm.logger.configure_logging_if_needed(LoggingConfig())
+"""
 
 _UNSUPPORTED = """
 import json, sys
@@ -185,12 +220,14 @@ print("RESULT " + json.dumps(dict(
 def test_unsupported_vllm_warns_and_stays_out_of_the_way(run_python):
     """vLLM calls register() in every process: on an unsupported release it must not break
     vLLM for those who never name the connector, and naming it must say what to install."""
-    proc = run_python(_UNSUPPORTED, plugins=True)
+    proc = run_python(_LOGGING + _UNSUPPORTED, plugins=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT ") :])
     assert got["applied"] == [] and got["patched"] is False
-    assert got["error"].startswith("UnsupportedVllmError: vllm-gdn-hs supports vllm 0.20.1 or")
+    assert got["error"].startswith(
+        f"UnsupportedVllmError: vllm-gdn-hs supports vllm {describe_releases()}"
+    )
     assert "found vllm 0.19.0" in got["error"]
     out = (proc.stdout + proc.stderr).splitlines()
     warnings = [ln for ln in out if "found vllm 0.19.0" in ln and not ln.startswith("RESULT")]
@@ -232,9 +269,18 @@ def test_unsupported_vllm_has_no_patches():
 
 def test_every_patch_module_has_a_test_module():
     tests = os.path.dirname(os.path.abspath(__file__))
-    for version in supported_releases():
-        for name in patch.PATCHES:
-            assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), (version, name)
+    for name in patch.PATCHES:
+        assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), name
+
+
+def _series_folder(release: str) -> str:
+    """patches/<folder>/ whose VLLM_VERSIONS lists ``release``."""
+    patches = os.path.join(REPO, "patches")
+    for folder in sorted(os.listdir(patches)):
+        listed = os.path.join(patches, folder, "VLLM_VERSIONS")
+        if os.path.isfile(listed) and release in open(listed).read().split():
+            return os.path.join(patches, folder)
+    raise AssertionError(f"vllm {release} is in no patches/*/VLLM_VERSIONS")
 
 
 @pytest.mark.parametrize(
@@ -242,7 +288,7 @@ def test_every_patch_module_has_a_test_module():
 )
 def test_every_runtime_patch_has_a_source_twin(release, name):
     # patch_worker_gpu_model_runner -> a file naming worker, gpu, model and runner
-    series = os.path.join(REPO, "patches", release)
+    series = _series_folder(release)
     words = name.removeprefix("patch_").split("_")
     files = [f for f in os.listdir(series) if f.endswith(".patch")]
     twins = [f for f in files if all(w in f.lower() for w in words)]
@@ -259,7 +305,7 @@ p.logger.info("patch line")
 def test_info_lines_reach_vllms_log(run_python):
     """The writer's progress and shutdown lines are INFO: they must go through vLLM's own
     logging setup (its handler on stdout, at VLLM_LOGGING_LEVEL), not be dropped."""
-    proc = run_python(_LOG, plugins=True)
+    proc = run_python(_LOGGING + _LOG, plugins=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in ("connector line", "patch line"):
         assert any(line in ln and "INFO" in ln for ln in proc.stdout.splitlines()), proc.stdout

@@ -85,7 +85,7 @@ def checks(
     model: str | None = None, hidden_states_path: str | None = None
 ) -> list[tuple[str, str, str | None]]:
     """(item, value, problem-or-None) rows."""
-    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, supported_releases
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, describe_releases
 
     rows = []
     vllm_v = _version("vllm")
@@ -95,7 +95,7 @@ def checks(
     except UnsupportedVllmError as e:
         problem = str(e)
     rows.append(("vllm", vllm_v or "not installed", problem))
-    rows.append(("supported vllm", " or ".join(supported_releases()), None))
+    rows.append(("supported vllm", describe_releases(), None))
     for dist in ("torch", "transformers"):
         v = _version(dist)
         rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))

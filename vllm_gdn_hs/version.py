@@ -1,8 +1,10 @@
 """Which vLLM is installed, and whether this plugin supports it.
 
-:data:`RELEASES` is the one list of supported vLLM releases. The ``vllm`` requirement in
-``pyproject.toml`` admits exactly them among published releases, ``patches/<release>/`` holds a
-source series for each, and ``.ci/run`` tests each (``tests/test_register.py`` and
+:data:`RELEASES` is the one list of supported vLLM releases, and :data:`REFUSED` names the
+published releases between them that the plugin refuses, with the reason. The ``vllm``
+requirement in ``pyproject.toml`` admits exactly RELEASES among published releases, one
+``patches/*/VLLM_VERSIONS`` lists each, ``tests/matrix.sh`` runs the smoke set on each, and
+``.ci/run`` the whole CPU suite on :data:`CI_RELEASES` (``tests/test_register.py`` and
 ``tests/test_patches.py`` check that they agree).
 """
 
@@ -16,7 +18,16 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DIST_NAME = "vllm-gdn-hs"
-RELEASES = ("0.20.1", "0.26.0")
+# Every published vLLM release from the first to the last supported one: each is installed by
+# tests/matrix.sh, and is either supported (RELEASES) or refused with its reason (REFUSED).
+RELEASES = (
+    "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
+    "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)  # fmt: skip
+REFUSED: dict[str, str] = {}
+# The releases .ci/run runs the whole CPU suite on: the first, the last before the newer
+# torch (2.11 until 0.26.0), and the newest.
+CI_RELEASES = ("0.20.1", "0.26.0", "0.33.0")
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -44,20 +55,44 @@ def supported_releases() -> list[str]:
     return list(RELEASES)
 
 
+def describe_releases() -> str:
+    """The supported releases in a few words: ``0.20.1 to 0.33.0`` (``, except ...``)."""
+    span = f"{RELEASES[0]} to {RELEASES[-1]}" if len(RELEASES) > 2 else " or ".join(RELEASES)
+    return span + (f", except {', '.join(sorted(REFUSED))}" if REFUSED else "")
+
+
+def nearest_release(version: Version) -> str:
+    """The supported release closest to ``version``: the newest one for a newer vLLM, else the
+    last patch of the nearest minor release."""
+    if version >= Version(RELEASES[-1]):
+        return RELEASES[-1]
+
+    def distance(release: str) -> tuple[int, int, int]:
+        r = Version(release)
+        return abs(r.major - version.major), abs(r.minor - version.minor), -r.micro
+
+    return min(RELEASES, key=distance)
+
+
 def check_vllm(version: Version | None = None) -> Version:
-    """Return the installed vLLM version, or raise naming the supported ones."""
+    """Return the installed vLLM version, or raise naming the supported ones and the nearest."""
     version = version if version is not None else installed_vllm()
-    releases = supported_releases()
-    names = " or ".join(releases)
     if version is None:
-        raise UnsupportedVllmError(f"vLLM is not installed; {DIST_NAME} needs vllm {names}")
-    # Compare the release only: local builds (0.20.1+cu130) are the same release.
-    if (
-        version.base_version not in releases
-        or Version(version.base_version) not in supported_vllm()
-    ):
         raise UnsupportedVllmError(
-            f"{DIST_NAME} supports vllm {names}, found vllm {version}. "
-            f"Install a supported release: pip install 'vllm=={releases[-1]}'"
+            f"vLLM is not installed; {DIST_NAME} needs vllm {describe_releases()}: "
+            f"pip install 'vllm=={RELEASES[-1]}'"
+        )
+    # Compare the release only: local builds (0.20.1+cu130) are the same release.
+    release = version.base_version
+    install = f"pip install 'vllm=={nearest_release(version)}'"
+    if release in REFUSED:
+        raise UnsupportedVllmError(
+            f"{DIST_NAME} refuses vllm {version}: {REFUSED[release]}. "
+            f"Install the nearest supported release: {install}"
+        )
+    if release not in RELEASES or Version(release) not in supported_vllm():
+        raise UnsupportedVllmError(
+            f"{DIST_NAME} supports vllm {describe_releases()}, found vllm {version}. "
+            f"Install the nearest supported release: {install}"
         )
     return version
