@@ -110,8 +110,9 @@ def test_hma_on_with_hybrid_groups(sched):
     assert len(sched.kv_cache_config.kv_cache_groups) == 4
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("model", ["hybrid_model", "dense_model"])
+@pytest.mark.parametrize(
+    "model", [pytest.param("hybrid_model", marks=pytest.mark.smoke), "dense_model"]
+)
 def test_request_lifecycle(model, request, tmp_path):
     sched = make_scheduler(request.getfixturevalue(model), str(tmp_path))
     prompts = {"r0": prompt(17), "r1": prompt(1, 40), "r2": prompt(100, 7)}

@@ -40,6 +40,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
     assert installed_vllm().base_version in lines["vllm"] and lines["vllm"].startswith("ok")
+    assert "V1 (" in lines["model runner"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]

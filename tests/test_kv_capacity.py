@@ -47,8 +47,9 @@ def _tokens(model: str, max_model_len: int, extract: bool) -> int:
     return tokens
 
 
-@pytest.mark.smoke
-@pytest.mark.parametrize("max_model_len", [8448, 32768, 262144])
+@pytest.mark.parametrize(
+    "max_model_len", [pytest.param(8448, marks=pytest.mark.smoke), 32768, 262144]
+)
 def test_capacity_at_least_95_percent_of_plain(model_27b, max_model_len):
     plain = _tokens(model_27b, max_model_len, extract=False)
     ours = _tokens(model_27b, max_model_len, extract=True)

@@ -1,4 +1,4 @@
-"""Real vLLM configs, KV cache specs and schedulers on a machine without a GPU (0.20.1, 0.26.0).
+"""Real vLLM configs, KV cache specs and schedulers on a machine without a GPU (0.20.1-0.33.0).
 
 vLLM's CUDA wheel sees no GPU here, so its platform is "unspecified" and
 ``EngineArgs.create_engine_config()`` fails. We install vLLM's own
@@ -157,14 +157,39 @@ def kv_cache_specs(vllm_config: VllmConfig) -> dict:
             type(vllm.platforms.current_platform), vllm_config
         )
         layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
-        return {name: layer.get_kv_cache_spec(vllm_config) for name, layer in layers.items()}
+        specs = {name: layer.get_kv_cache_spec(vllm_config) for name, layer in layers.items()}
+        _resolve_kv_cache_layout(vllm_config, specs)
+        return specs
+
+
+def _resolve_kv_cache_layout(vllm_config: VllmConfig, specs: dict) -> None:
+    """vLLM 0.33.0: the engine core resolves one KV cache layout from what every worker's
+    attention backends support, before it plans the KV cache; do the same for one worker."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+    except ImportError:
+        return  # earlier releases choose the layout per backend
+    if vllm_config.cache_config.kv_cache_layout is None:
+        supported = get_supported_kv_cache_layouts(get_current_attn_backends(vllm_config))
+        # records the layout on cache_config, as in the engine core
+        resolve_kv_cache_layout(vllm_config, [[x.name for x in supported]], specs.values())
 
 
 def kv_cache_config(vllm_config: VllmConfig, specs: dict | None = None, memory: int = 1 << 30):
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
+    """vLLM's KV cache config for one worker, as EngineCore plans it."""
     specs = kv_cache_specs(vllm_config) if specs is None else specs
-    return get_kv_cache_configs(vllm_config, [specs], [memory])[0]
+    try:  # vLLM 0.33.0: the groups are planned first, over every worker's specs
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(vllm_config, [specs], [memory])[0]
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    return get_kv_cache_configs(vllm_config, [specs], [memory], groups)[0]
 
 
 def kv_capacity(vllm_config: VllmConfig, memory: int):

@@ -81,6 +81,15 @@ def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, s
     return rows
 
 
+def model_runner() -> str:
+    """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
+    from vllm.config import VllmConfig
+
+    if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):
+        return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
+    return "V1 (vLLM's only runner by default on this release)"
+
+
 def checks(
     model: str | None = None, hidden_states_path: str | None = None
 ) -> list[tuple[str, str, str | None]]:
@@ -123,6 +132,8 @@ def checks(
         ("plugin via vllm.general_plugins", "found" if not plugin_problem else "no", plugin_problem)
     )
     rows.append(("runtime patches", patches, None))
+    if problem is None:
+        rows.append(("model runner", model_runner(), None))
     try:
         import torch
 
