@@ -8,7 +8,8 @@
 #   bash tests/matrix.sh                  # every release in vllm_gdn_hs/version.py: RELEASES
 #   bash tests/matrix.sh 0.27.1 0.33.0    # some of them
 #
-# Writes tests/results/matrix.md (the table) and tests/results/matrix/<release>.log.
+# Writes tests/results/matrix.md (the table); each release's log goes to $MATRIX_LOGS/<release>.log
+# (default /tmp/vllm-gdn-hs-matrix/logs).
 # MATRIX_VENVS: where the virtualenvs go (default /tmp/vllm-gdn-hs-matrix); each is removed
 # after its run unless KEEP_VENVS=1.
 set -uo pipefail
@@ -18,7 +19,7 @@ ALL=$(python3 -c 'import ast; t = ast.parse(open("vllm_gdn_hs/version.py").read(
 REFUSED=$(python3 -c 'import ast; t = ast.parse(open("vllm_gdn_hs/version.py").read()); print(" ".join(next(ast.literal_eval(n.value) for n in t.body if isinstance(n, ast.AnnAssign) and n.target.id == "REFUSED")))')
 RELEASES=${*:-$ALL}
 BASE=${MATRIX_VENVS:-/tmp/vllm-gdn-hs-matrix}
-LOGS=tests/results/matrix
+LOGS=${MATRIX_LOGS:-$BASE/logs}
 mkdir -p "$BASE" "$LOGS"
 # cuda-bindings can be newer than every cuda-python that accepts it; a resolver may then pick
 # cuda-python 12.6.2.post1, whose files break cuda.bindings 13 (vLLM's CUDA 13 builds).
@@ -67,7 +68,7 @@ done
     echo
     echo "\`bash tests/matrix.sh\` on $(date -u +%F), $(uname -m), Python 3.11, no GPU; commit" \
         "$(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with local changes)')."
-    echo "The smoke set is \`pytest -m smoke\`; logs in \`tests/results/matrix/\`."
+    echo "The smoke set is \`pytest -m smoke\`."
     echo
     echo "| vLLM | torch | result | seconds |"
     echo "| --- | --- | --- | --- |"
