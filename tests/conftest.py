@@ -77,12 +77,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _vllm_logs_to_caplog(caplog):
-    """Our loggers live under ``vllm``, which vLLM sets not to propagate to the root logger,
-    where caplog listens; hand caplog's handler to the ``vllm`` logger as well."""
+    """Our loggers live under ``vllm``, which vLLM's logging setup sets not to propagate to the
+    root logger, where caplog listens; hand caplog's handler to the ``vllm`` logger as well
+    while it does not (vLLM 0.33.0 sets its logging up only when an engine starts)."""
     vllm_logger = logging.getLogger("vllm")
-    vllm_logger.addHandler(caplog.handler)
+    added = not vllm_logger.propagate
+    if added:
+        vllm_logger.addHandler(caplog.handler)
     yield
-    vllm_logger.removeHandler(caplog.handler)
+    if added:
+        vllm_logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture(scope="session")

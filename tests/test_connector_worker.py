@@ -290,7 +290,9 @@ def test_missing_rows_refused(writer, storage, caplog):
     writer.close()
     path = path_of(storage, "m")
     assert not os.path.exists(path) and lock_state(path) == "absent"
-    (msg,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    msgs = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(msgs) == 1, msgs
+    ((_, msg),) = msgs
     assert "request 'm':" in msg and path in msg
     assert "hidden states missing for token positions [3, 4]" in msg
     assert writer.stats["failed"] == 1

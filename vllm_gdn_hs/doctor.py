@@ -109,7 +109,7 @@ def checks(
         v = _version(dist)
         rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))
 
-    plugin_problem, patches = None, "-"
+    plugin_problem, patches, runner = None, "-", "-"
     if problem is None:
         try:
             from vllm.plugins import load_general_plugins
@@ -126,14 +126,14 @@ def checks(
                     "package (pip install vllm-gdn-hs), PYTHONPATH is not enough"
                 )
             patches = ", ".join(apply_patches()) or "none needed"
+            runner = model_runner()
         except Exception as e:  # report, don't crash: this is the diagnostic tool
             plugin_problem = f"{type(e).__name__}: {e}"
     rows.append(
         ("plugin via vllm.general_plugins", "found" if not plugin_problem else "no", plugin_problem)
     )
     rows.append(("runtime patches", patches, None))
-    if problem is None:
-        rows.append(("model runner", model_runner(), None))
+    rows.append(("model runner", runner, None))
     try:
         import torch
 

@@ -130,6 +130,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # ==============================
     # Scheduler side
     # ==============================
+    def on_new_request(self, request: Request) -> None:  # vLLM 0.33.0 calls it
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

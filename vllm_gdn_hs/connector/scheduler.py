@@ -53,6 +53,18 @@ class HybridHiddenStatesConnectorScheduler:
                 self.custom_root,
             )
 
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived (vLLM 0.33.0 says so, then reads its params as a dict itself):
+        params that are not an object are refused now and dropped, so that vLLM's own reading
+        cannot fail on them."""
+        params = request.kv_transfer_params
+        if params is not None and not isinstance(params, dict):
+            try:
+                request_params(params)
+            except Exception as e:
+                self._refuse(request.request_id, str(e))
+            request.kv_transfer_params = None
+
     def on_allocated(self, request: Request) -> None:
         """A request got KV cache blocks (first allocation: its file is decided)."""
         if request.request_id in self._paths or request.request_id in self._refused:
