@@ -37,11 +37,11 @@ import worker
 from host import wait_gpu_released
 from logparse import cut_detail, error_summary, kv_cache_info, strip_ansi, writer_info
 from plan import Plan, announce, common_fields, make_plan, print_workloads
-from records import CUT, FAILED, OK, SKIPPED, TIMED_OUT, load_records, merge_results
+from records import CUT, FAILED, OK, OURS, SKIPPED, TIMED_OUT, load_records, merge_results
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "ours", "upstream", "hf")
+VARIANTS = ("plain", "ours", "fp8", "upstream", "hf")
 
 
 def can_start(left_s: float, slowest_s: float) -> bool:
@@ -284,7 +284,7 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
                 VLLM_PLUGINS=plan.env.get("VLLM_PLUGINS"),
             ),
             **(kv_cache_info(log) if variant != "hf" else {}),
-            **(writer_info(log) if variant == "ours" else {}),
+            **(writer_info(log) if variant in OURS else {}),
         )
         if r["status"] != OK:
             summary = error_summary(r["error"], log)

@@ -15,6 +15,7 @@ from importlib import metadata
 
 import worker
 from host import fs_type, git_commit, nvidia_smi, versions
+from records import OURS
 from workloads import bytes_needed, make_workload, model_summary
 
 
@@ -76,7 +77,7 @@ def print_workloads(args: argparse.Namespace) -> None:
 
 def variant_env(variant: str) -> dict:
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
-    if variant != "ours" and "VLLM_PLUGINS" not in env:
+    if variant not in OURS and "VLLM_PLUGINS" not in env:
         # plain and upstream run without vLLM plugins: vLLM as shipped, and our plugin
         # refuses to load on a vLLM it does not support (0.26.0), which would stop the engine
         env["VLLM_PLUGINS"] = ""
@@ -113,7 +114,7 @@ def make_plan(
         spec=spec,
         cmd=[sys.executable, os.path.abspath(bench_py), "--worker", spec_path],
         env=variant_env(variant),
-        problem=plugin_problem() if variant == "ours" else None,
+        problem=plugin_problem() if variant in OURS else None,
     )
 
 

@@ -19,7 +19,9 @@ TIMED_OUT = "timed_out"  # stopped by --timeout: a hang, a fault
 FAILED = "failed"
 STATUSES = (OK, SKIPPED, CUT, TIMED_OUT, FAILED)
 FAULTS = (TIMED_OUT, FAILED)
-VARIANT_ORDER = {"plain": 0, "ours": 1, "upstream": 2, "hf": 3}
+VARIANT_ORDER = {"plain": 0, "ours": 1, "fp8": 2, "upstream": 3, "hf": 4}
+# the variants that run this package's connector: fp8 is ours with ``fp8: true``
+OURS = ("ours", "fp8")
 
 
 def status_note(r: dict) -> str:

@@ -22,6 +22,7 @@ from collections import defaultdict
 from records import (
     FAULTS,
     OK,
+    OURS,
     VARIANT_ORDER,
     files_ready_s,
     ok,
@@ -255,7 +256,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
         "KV cache tokens (x plain) | files ready s | commit, run |",
         "|" + " --- |" * 10,
     ]
-    extraction = [r for r in rows if r["variant"] in ("ours", "upstream") and ok(r)]
+    extraction = [r for r in rows if r["variant"] in (*OURS, "upstream") and ok(r)]
 
     def order(r):
         return (

@@ -19,7 +19,12 @@ from workloads import WARMUP_PROMPTS, make_workload, prompt_ids
 
 from vllm_gdn_hs.files import take_finished
 
-CONNECTORS = {"ours": "HybridHiddenStatesConnector", "upstream": "ExampleHiddenStatesConnector"}
+CONNECTORS = {
+    "ours": "HybridHiddenStatesConnector",
+    "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
+    "upstream": "ExampleHiddenStatesConnector",
+}
+VARIANT_CONFIG = {"fp8": {"fp8": True}}  # merged under --connector-config
 
 
 def wait_files_ready(out_dir: str, outputs, expected: int, timeout: float) -> float:
@@ -66,7 +71,10 @@ def engine_kwargs(spec: dict) -> dict:
 
         kw.update(
             extraction_config(
-                spec["layers"], spec["out_dir"], connector, **spec.get("connector_config", {})
+                spec["layers"],
+                spec["out_dir"],
+                connector,
+                **{**VARIANT_CONFIG.get(spec["variant"], {}), **spec.get("connector_config", {})},
             )
         )
     kw.update(spec["extra_engine_kwargs"])
