@@ -361,3 +361,8 @@ def test_prepare_data_renders_on_vllm_and_masks_the_answers(model_dir, render_se
         assert tok.decode(ids).startswith("<s><|im_start|>user\n")
     per_epoch = pipeline.steps_per_epoch(out, seed=0, total_seq_len=512)
     assert 1 <= per_epoch <= len(rows)
+
+
+def test_fp8_files_are_generated_without_speculators_validation():
+    argv = pipeline.generate_args("/m", "http://h:1/v1", "/p", "/o", validate=False)
+    assert "--validate-outputs" not in argv and "--fail-on-error" in argv
