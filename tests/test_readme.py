@@ -42,7 +42,7 @@ LAYERS = 64  # Qwen3.6-27B's
 SHELL = {"bash", "sh", "shell", "console"}
 # Commands shown but not run here (they need a GPU, a server, the network or change the
 # environment); each is checked in its own test below.
-NOT_RUN = {"git", "cd", "pip", "curl", "bash", "python"}
+NOT_RUN = {"git", "cd", "pip", "curl", "bash", "python", "speculators"}
 SUBCOMMANDS = {"launch", "doctor", "check", "demo"}
 # What the launcher adds where flashinfer is not installed (the README's shown output has not).
 NO_FLASHINFER = ["--additional-config", '{"gdn_prefill_backend": "triton"}']
@@ -213,6 +213,31 @@ def test_pip_commands_pin_supported_vllm_releases():
                 assert set(m.group(1).split(",")) <= extras, (word, extras)
 
 
+def test_speculators_commands_are_taken_by_speculators():
+    """speculators' pipeline as the README shows it: each command parsed by speculators
+    0.9.0's own CLI; the trainer gets the launcher's layer ids and a backend we write."""
+    import typer
+    from speculators.cli import app
+    from speculators.train.config import TrainConfig
+
+    cmds = [c for c in commands() if c[0] == "speculators"]
+    subs = {c[1] for c in cmds}
+    assert {"prepare-data", "generate-offline-data", "train"} <= subs, subs
+    launched = {tuple(c[c.index("--target-layer-ids") + 1 : c.index("--")]) for c in ours("launch")
+                if "--target-layer-ids" in c}  # fmt: skip
+    for cmd in cmds:
+        argv = ["0" if w.startswith("$") else w for w in cmd[2:]]  # a shell variable: a rank
+        if cmd[1] == "train":
+            f = TrainConfig.resolve(argv).flatten()
+            assert f["hidden_states_backend"] in ("file", "fp8"), cmd
+            assert tuple(map(str, f["target_layer_ids"])) in launched, cmd
+            assert f["verifier_name_or_path"] == MODEL, cmd
+        else:
+            command = typer.main.get_command(app).commands[cmd[1]]
+            params = command.make_context(cmd[1], argv).params
+            assert params["model"] == MODEL, cmd
+
+
 def test_demo_command_exists():
     for cmd in ours("demo"):
         r = _cli(*cmd[1:], "--help")
@@ -263,7 +288,7 @@ def test_launch_commands_print_a_vllm_serve_command(dry_runs, places):
         assert ids == want, (cmd, ids)
         kv = json.loads(opts["--kv_transfer_config"])
         assert kv["kv_connector"] == CONNECTOR_NAME
-        folder = places["folder"] if FOLDER in cmd else "/tmp/hidden_states"
+        folder = places["folder"] if args.hidden_states_path == FOLDER else args.hidden_states_path
         assert kv["kv_connector_extra_config"]["shared_storage_path"] == folder
         after = cmd[cmd.index("--") + 1 :] if "--" in cmd else []
         for i, word in enumerate(after):  # the user's connector options are merged in
