@@ -39,9 +39,9 @@ for VLLM in $RELEASES; do
     {
         echo "== vLLM $VLLM ($(date -u +%FT%TZ))"
         if [ $refused = 1 ]; then  # the requirement excludes it: install the plugin alone
-            uv pip install -q -c "$CONSTRAINTS" "vllm==$VLLM" pytest && uv pip install -q --no-deps -e .
+            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" "vllm==$VLLM" pytest && uv pip install -q --no-deps -e .
         else
-            uv pip install -q -c "$CONSTRAINTS" -e '.[dev]' "vllm==$VLLM"
+            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" -e '.[dev]' "vllm==$VLLM"
         fi
     } >"$LOG" 2>&1
     installed=$?
