@@ -138,15 +138,25 @@ def test_bodies_pass_vllms_request_models():
 def test_hostile_headers_through_uvicorn():
     """X-Request-Id as vLLM's server reads it (uvicorn, its request-id middleware): what
     external_id expects, or a 400 with a reason from the HTTP parser."""
+    import importlib
+
     import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    try:  # where vLLM keeps its request-id middleware: 0.26.0, then 0.20.1
-        from vllm.entrypoints.serve.utils.server_utils import XRequestIdMiddleware
-    except ImportError:
-        from vllm.entrypoints.openai.server_utils import XRequestIdMiddleware
+    for where in (  # where vLLM keeps its request-id middleware: 0.33.0, 0.26.0, 0.20.1
+        "vllm.entrypoints.serve.middleware.x_request_id",
+        "vllm.entrypoints.serve.utils.server_utils",
+        "vllm.entrypoints.openai.server_utils",
+    ):
+        try:
+            XRequestIdMiddleware = importlib.import_module(where).XRequestIdMiddleware
+            break
+        except ImportError:
+            continue
+    else:
+        pytest.fail("vLLM's XRequestIdMiddleware moved: add its module here")
 
     async def completions(request):  # the engine's request id, as vLLM's endpoint makes it
         kv = {"hidden_states_error": f"cmpl-{request.headers.get('X-Request-Id')}-0"}
