@@ -10,8 +10,9 @@ lines from it (logparse.py), and merges the child's records into one results JSO
         --out-dir /dev/shm/hs --results benchmarks/results/h200.json
     python benchmarks/report.py benchmarks/results/h200.json --md benchmarks/results/README-table.md
 
-Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), upstream (vLLM's
-            ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch size).
+Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), fp8 (ours, fp8 files),
+            upstream (vLLM's ExampleHiddenStatesConnector), hf (transformers + forward hooks, best
+            batch size).
 Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,
             max_tokens=1), mixed-outK / NxL-outK (the same prompts, K generated tokens with
             include_output_tokens). See benchmarks/README.md.
