@@ -149,7 +149,7 @@ def test_generate_command_is_accepted_by_speculators():
     import typer
     from speculators.cli import app
 
-    argv = pipeline.generate_args("/m", "http://h:1/v1", "/p", "/o", concurrency=2)
+    argv = pipeline.generate_args("/m", "http://h:1/v1", "/p", "/o", "file", concurrency=2)
     command = typer.main.get_command(app).commands[argv[0]]
     params = command.make_context(argv[0], argv[1:]).params
     assert params["model"] == "/m" and params["endpoint"] == "http://h:1/v1"
@@ -364,5 +364,5 @@ def test_prepare_data_renders_on_vllm_and_masks_the_answers(model_dir, render_se
 
 
 def test_fp8_files_are_generated_without_speculators_validation():
-    argv = pipeline.generate_args("/m", "http://h:1/v1", "/p", "/o", validate=False)
+    argv = pipeline.generate_args("/m", "http://h:1/v1", "/p", "/o", "fp8")
     assert "--validate-outputs" not in argv and "--fail-on-error" in argv

@@ -202,15 +202,15 @@ def prepare_args(model: str, data: str, out: str, endpoint: str, workers: int = 
 
 
 def generate_args(
-    model: str, endpoint: str, prepared: str, out: str, concurrency: int = 32, validate=True
+    model: str, endpoint: str, prepared: str, out: str, backend: str, concurrency: int = 32
 ) -> list[str]:
-    """``speculators generate-offline-data``'s arguments; ``endpoint`` ends in /v1.
-    ``validate=False`` for fp8 files: speculators 0.9.0's ``--validate-outputs`` calls
+    """``speculators generate-offline-data``'s arguments; ``endpoint`` ends in /v1. No
+    ``--validate-outputs`` for the fp8 backend: speculators 0.9.0's check calls
     ``torch.aminmax`` on ``hidden_states``, which torch has no float8 CPU kernel for (its own
     fp8 connector's files fail it alike); the trainer's fp8 reader still reads every file."""
     args = ["generate-offline-data", "--model", model, "--endpoint", endpoint]
     args += ["--preprocessed-data", prepared, "--output", out, "--concurrency", str(concurrency)]
-    return args + (["--validate-outputs"] if validate else []) + ["--fail-on-error"]
+    return args + (["--validate-outputs"] if backend != "fp8" else []) + ["--fail-on-error"]
 
 
 def train_args(
@@ -554,8 +554,7 @@ def generate_with_resume(model, server, prepared, out, expected, log_dir, limit)
     file is a rename (across file systems it would copy, and a kill could truncate)."""
     endpoint = server.url + "/v1"
     log1, log2 = f"{log_dir}/generate-1.log", f"{log_dir}/generate-2.log"
-    validate = server.backend != "fp8"  # see generate_args
-    cmd = speculators(*generate_args(model, endpoint, prepared, out, 2, validate))
+    cmd = speculators(*generate_args(model, endpoint, prepared, out, server.backend, 2))
     with open(log1, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -571,7 +570,7 @@ def generate_with_resume(model, server, prepared, out, expected, log_dir, limit)
         kill_group(proc)
     first = snapshot(out)
     say(f"generator killed with {len(first)} of {expected} files (rc {proc.returncode})")
-    cmd = speculators(*generate_args(model, endpoint, prepared, out, validate=validate))
+    cmd = speculators(*generate_args(model, endpoint, prepared, out, server.backend))
     rc = run_logged(cmd, log2, limit)
     final = snapshot(out)
     others = [n for n in os.listdir(out) if n not in final]
@@ -708,10 +707,10 @@ def main(argv=None) -> int:  # noqa: C901  (one pipeline, in order)
         def gen_other(b):
             with steps.run(f"generate_{b}") as s:
                 folder = f"{work}/hs-{b}/files"
-                validate = b != "fp8"
-                s["validate_outputs"] = validate
-                endpoint = servers[b].url + "/v1"
-                cmd = speculators(*generate_args(model, endpoint, prepared, folder, 32, validate))
+                cmd = speculators(
+                    *generate_args(model, servers[b].url + "/v1", prepared, folder, b)
+                )
+                s["validate_outputs"] = "--validate-outputs" in cmd
                 rc = run_logged(cmd, f"{logs}/generate-{b}.log", left(240))
                 s.update(rc=rc, files=count_hs(folder), expected=info["rows"])
                 if rc != 0 or s["files"] != info["rows"]:
