@@ -97,8 +97,6 @@ class Engine:
 
     def step(self) -> None:
         so = self.sched.schedule()
-        self.worker.bind_connector_metadata(so.kv_connector_metadata)
-        self.worker.start_load_kv(None)
         ids = list(so.num_scheduled_tokens)
         positions, qsl = [], [0]
         for rid in ids:
@@ -106,13 +104,15 @@ class Engine:
             start = self.sched.requests[rid].num_computed_tokens - n
             positions += range(start, start + n)
             qsl.append(qsl[-1] + n)
-        if ids:
+
+        def forward():  # the runner patch hands the step's rows over during the forward pass
             pos = torch.tensor(positions, dtype=torch.int64)
             rows = (pos + 1).to(torch.bfloat16)[:, None, None].expand(-1, self.L, self.hidden)
             self.worker.save_hidden_states(
                 rows.contiguous(), ids, torch.tensor(qsl, dtype=torch.int32), pos
             )
-        self.worker.clear_connector_metadata()
+
+        harness.runner_step(self.worker, so, self.cfg, forward)
         tokens = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in ids]
         out = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens

@@ -3,9 +3,10 @@
 Run: python -m pytest tests/test_patch_worker_gpu_model_runner.py -q   (no GPU, no network)
 Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
 runner through the config; load_model counts the one-step buffers into vLLM's memory budget;
-the patched GPUModelRunner._model_forward hands the real worker-side connector each step's
-rows (scheduled tokens only, configured layer order, M-RoPE positions) and the files hold
-exactly those rows; other connectors are untouched.
+the patched GPUModelRunner._model_forward, inside the steps that vLLM's own
+KVConnectorModelRunnerMixin runs around it (each release's hook order), hands the real
+worker-side connector each step's rows (scheduled tokens only, configured layer order, M-RoPE
+positions) and the files hold exactly those rows; other connectors are untouched.
 Edges replaced: the GPU runner's construction (a CUDA device), loading weights onto the GPU,
 and the model itself.
 """
@@ -19,7 +20,6 @@ from unittest import mock
 import harness
 import pytest
 import torch
-import vllm.distributed.kv_transfer as kv_transfer
 from safetensors.torch import load_file
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -134,8 +134,6 @@ def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
         runner = _runner(cfg, layer_ids)
 
         def step(meta, sched, pad=3, mrope=False):  # sched: (req_id, start, count), batch order
-            conn.bind_connector_metadata(meta)
-            conn.start_load_kv(None)
             pos = torch.cat([torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad)])
             rows = torch.cat(
                 [full[r][s : s + n] for r, s, n in sched]
@@ -148,17 +146,21 @@ def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
             )
             runner.query_start_loc = SimpleNamespace(cpu=qsl)
             positions = torch.stack([pos, pos, pos]).long() if mrope else pos.long()
-            out = GPUModelRunner._model_forward(runner, input_ids=None, positions=positions)
+            so = harness.scheduler_output(meta, {r: n for r, _, n in sched})
+            out = harness.runner_step(
+                conn,
+                so,
+                cfg,
+                lambda: GPUModelRunner._model_forward(runner, input_ids=None, positions=positions),
+            )
             assert out[1][0].shape[0] == rows.shape[0]  # the runner gets the model's output
-            conn.clear_connector_metadata()
 
         new = [NewRequest(r, path[r], len(t)) for r, t in prompts.items()]
         fin = [FinishedRequest(r, t) for r, t in prompts.items()]
-        with mock.patch.object(kv_transfer, "get_kv_transfer_group", lambda: conn):
-            step(HybridHiddenStatesConnectorMetadata(new_requests=new), [("a", 0, 3), ("b", 0, 4)])
-            step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], mrope=True)
-            conn.bind_connector_metadata(HybridHiddenStatesConnectorMetadata(finished_requests=fin))
-            conn.start_load_kv(None)
+        step(HybridHiddenStatesConnectorMetadata(new_requests=new), [("a", 0, 3), ("b", 0, 4)])
+        step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], mrope=True)
+        done = HybridHiddenStatesConnectorMetadata(finished_requests=fin)
+        harness.runner_step(conn, harness.scheduler_output(done, finished_req_ids=prompts), cfg)
         conn.shutdown()
 
     for r, tokens in prompts.items():

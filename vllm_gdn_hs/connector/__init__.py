@@ -91,11 +91,18 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # ==============================
     # Worker side
     # ==============================
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step's new and finished requests must reach the worker before the forward
+        # pass hands over its rows. vLLM binds the metadata before the forward in every
+        # release, but since 0.33.0 calls start_load_kv only after it (when no load is
+        # synchronous), so the metadata is taken here.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, HybridHiddenStatesConnectorMetadata)
+            self._worker.on_metadata(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, HybridHiddenStatesConnectorMetadata)
-            self._worker.on_metadata(meta)
+        pass  # nothing to load
 
     def wait_staging_free(self) -> None:
         if self._worker is not None:
