@@ -11,6 +11,7 @@ keys or values (pydantic, extra="forbid"). Both roles are checked where they dif
 from __future__ import annotations
 
 import os
+import sys
 
 import harness
 import pytest
@@ -198,3 +199,19 @@ def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
     ours = harness.engine_config(dense_model, storage=str(tmp_path))
     assert ours.use_v2_model_runner is False
     assert "HybridHiddenStatesConnector" in ours._get_v2_model_runner_unsupported_features()
+
+
+def test_fp8_without_hs_connectors(hybrid_model, tmp_path, monkeypatch):
+    """fp8 quantizes with hs-connectors' code: without it the engine must not start (rather
+    than die at its first step)."""
+    args = harness.engine_args(hybrid_model, storage=str(tmp_path))
+    kv = args.kv_transfer_config
+    extra = (
+        kv["kv_connector_extra_config"] if isinstance(kv, dict) else kv.kv_connector_extra_config
+    )
+    extra["fp8"] = True
+    assert make(args.create_engine_config()).layer_ids  # with the package: starts
+    monkeypatch.setitem(sys.modules, "hs_connectors.fp8_utils", None)  # as if not installed
+    with pytest.raises(ValueError) as e:
+        args.create_engine_config()
+    assert "fp8 needs hs-connectors" in str(e.value) and "pip install" in str(e.value)

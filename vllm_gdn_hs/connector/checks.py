@@ -29,7 +29,16 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
             '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
-    layer_ids = list(config_from(vllm_config).layer_ids)
+    cfg = config_from(vllm_config)
+    layer_ids = list(cfg.layer_ids)
+    if cfg.fp8:
+        try:  # fp8 quantizes with hs-connectors' own code (a dependency of this package)
+            import hs_connectors.fp8_utils  # noqa: F401
+        except ImportError as e:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: fp8 needs hs-connectors ({e}): pip install "
+                "'hs-connectors>=0.9,<0.10' into the server's environment"
+            ) from None
     if not layer_ids:
         raise ValueError(
             f"{CONNECTOR_NAME} needs the layer ids to extract: pass --speculative-config "
