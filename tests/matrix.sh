@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The release matrix: install each vLLM release into its own virtualenv and run the smoke set
 # (tests marked `smoke`: vLLM's plugin loader finds the plugin; the tiny hybrid's config, KV
-# cache groups and Scheduler build with our connector; the release's patch series applies).
+# cache groups and Scheduler build with our connector; a step through the release's own runner
+# mixin hands the rows to the connector; the release's patch series applies).
 # A release in REFUSED (vllm_gdn_hs/version.py) passes when the plugin refuses it with its
 # reason instead. CPU only; about 2-4 minutes a release with uv's cache warm.
 #

@@ -116,6 +116,7 @@ def _runner(cfg, layer_ids, max_tokens=32):
     return runner
 
 
+@pytest.mark.smoke  # every release: its own runner mixin's hook order around the forward pass
 def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
     layer_ids = (8, 1, 4)  # configured order; the model hands aux states in ascending order
     cfg = harness.engine_config(
