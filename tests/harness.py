@@ -21,8 +21,8 @@ def runner_step(connector, scheduler_output, vllm_config, forward=None):
     """One step of the worker side, driven as vLLM's model runner drives a KV connector: vLLM's
     own ``KVConnectorModelRunnerMixin`` binds the step's metadata and calls the connector's
     hooks around ``forward()`` (the model's forward pass, where our runner patch hands over
-    the rows) in the release's own order (0.33.0 calls ``start_load_kv`` only after the
-    forward). A step without scheduled tokens takes vLLM's no-forward path, as the runner
+    the rows) in the release's own order (from 0.29.0 ``start_load_kv`` comes only after
+    the forward). A step without scheduled tokens takes vLLM's no-forward path, as the runner
     does. ``connector`` is the process's KV transfer group for the step."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.forward_context import set_forward_context

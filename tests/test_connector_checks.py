@@ -215,3 +215,6 @@ def test_fp8_without_hs_connectors(hybrid_model, tmp_path, monkeypatch):
     with pytest.raises(ValueError) as e:
         args.create_engine_config()
     assert "fp8 needs hs-connectors" in str(e.value) and "pip install" in str(e.value)
+    from vllm_gdn_hs.version import requirement
+
+    assert f"'hs-connectors{requirement('hs-connectors')}'" in str(e.value)  # pyproject's pin

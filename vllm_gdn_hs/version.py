@@ -35,13 +35,19 @@ class UnsupportedVllmError(RuntimeError):
 
 
 @functools.cache
-def supported_vllm() -> SpecifierSet:
-    """The vLLM versions this plugin supports, from its own package metadata."""
+def requirement(name: str) -> SpecifierSet:
+    """The versions of ``name`` this package requires, from its own package metadata (written
+    once, in pyproject.toml)."""
     for line in metadata.requires(DIST_NAME) or []:
         req = Requirement(line)
-        if req.name == "vllm" and not req.marker:
+        if req.name == name and not req.marker:
             return req.specifier
-    raise RuntimeError(f"{DIST_NAME} metadata has no vllm requirement; reinstall {DIST_NAME}")
+    raise RuntimeError(f"{DIST_NAME} metadata has no {name} requirement; reinstall {DIST_NAME}")
+
+
+def supported_vllm() -> SpecifierSet:
+    """The vLLM versions this plugin supports."""
+    return requirement("vllm")
 
 
 def installed_vllm() -> Version | None:

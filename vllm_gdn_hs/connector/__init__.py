@@ -94,7 +94,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step's new and finished requests must reach the worker before the forward
         # pass hands over its rows. vLLM binds the metadata before the forward in every
-        # release, but since 0.33.0 calls start_load_kv only after it (when no load is
+        # release, but from 0.29.0 calls start_load_kv only after it (when no load is
         # synchronous), so the metadata is taken here.
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:

@@ -35,9 +35,11 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         try:  # fp8 quantizes with hs-connectors' own code (a dependency of this package)
             import hs_connectors.fp8_utils  # noqa: F401
         except ImportError as e:
+            from vllm_gdn_hs.version import requirement
+
             raise ValueError(
                 f"{CONNECTOR_NAME}: fp8 needs hs-connectors ({e}): pip install "
-                "'hs-connectors>=0.9,<0.10' into the server's environment"
+                f"'hs-connectors{requirement('hs-connectors')}' into the server's environment"
             ) from None
     if not layer_ids:
         raise ValueError(
