@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 from vllm_gdn_hs.connector.checks import config_from
+from vllm_gdn_hs.version import requirement
 
 
 def make(cfg, role=KVConnectorRole.SCHEDULER):
@@ -215,6 +216,4 @@ def test_fp8_without_hs_connectors(hybrid_model, tmp_path, monkeypatch):
     with pytest.raises(ValueError) as e:
         args.create_engine_config()
     assert "fp8 needs hs-connectors" in str(e.value) and "pip install" in str(e.value)
-    from vllm_gdn_hs.version import requirement
-
     assert f"'hs-connectors{requirement('hs-connectors')}'" in str(e.value)  # pyproject's pin

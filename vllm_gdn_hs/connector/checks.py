@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.version import requirement
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,8 +36,6 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         try:  # fp8 quantizes with hs-connectors' own code (a dependency of this package)
             import hs_connectors.fp8_utils  # noqa: F401
         except ImportError as e:
-            from vllm_gdn_hs.version import requirement
-
             raise ValueError(
                 f"{CONNECTOR_NAME}: fp8 needs hs-connectors ({e}): pip install "
                 f"'hs-connectors{requirement('hs-connectors')}' into the server's environment"
