@@ -3,8 +3,9 @@
 No GPU needed: builds the real per-layer KV cache specs of the model (meta device, through
 cpu_engine.py) and runs vLLM 0.20.1's get_kv_cache_configs and
 get_max_concurrency_for_kv_cache_config, the numbers behind its "GPU KV cache size: N tokens"
-line. Variants: plain (no extraction); ours (HybridHiddenStatesConnector: the same budget less
-the runner's one-step hidden-state buffers, which it counts into vLLM's memory budget); stock
+line. Variants: plain (no extraction); ours (HybridHiddenStatesConnector: the same KV cache
+specs, and no GPU memory held between steps; a step's hand-over is in the peak vLLM profiles,
+which bench.py measures on the GPU); stock
 (ExampleHiddenStatesConnector with HMA forced on; on 0.20.1 it fails to start, and the error is
 recorded).
 
@@ -48,14 +49,13 @@ def capacity(
         )
     try:
         cfg = cpu_engine.engine_config(model, **kw)
-        tokens, kcc, held = cpu_engine.kv_capacity(cfg, memory)
+        tokens, kcc = cpu_engine.kv_capacity(cfg, memory)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {
         "tokens": tokens,
         "max_concurrency": round(tokens / max_model_len, 2),
         "num_blocks": kcc.num_blocks,
-        "hidden_states_buffer_bytes": held,
         "block_size": cfg.cache_config.block_size,
         "groups": [type(g.kv_cache_spec).__name__ for g in kcc.kv_cache_groups],
     }

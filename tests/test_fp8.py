@@ -25,6 +25,7 @@ from vllm_gdn_hs.connector.metadata import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.connector.staging import rows_and_norms
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 
 L, H = 4, 64
@@ -103,6 +104,22 @@ def test_fp8_file_is_hs_connectors_format_bit_for_bit(tmp_path, data):
         )
         assert torch.equal(got[files.SCALES], want_scales)
         assert got["token_ids"].tolist() == list(range(len(d)))
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_staging_in_chunks_changes_no_value(fp8):
+    """The device side quantizes and takes norms in chunks of tokens (small temporaries):
+    bit for bit what hs-connectors and the norms give for the whole step at once."""
+    step = rows(50)
+    got_rows, got_norms = rows_and_norms(step, fp8, chunk=7)
+    want_norms = files.row_norms(step)
+    if fp8:
+        want_rows, want_scales = quantize_tensor_to_fp8(step)
+        want_norms = torch.cat([want_norms, want_scales.view(-1, 1)], dim=1)
+        assert torch.equal(got_rows.view(torch.uint8), want_rows.view(torch.uint8))
+    else:
+        assert got_rows is step  # copied out as it is
+    assert torch.equal(got_norms, want_norms)
 
 
 def test_hs_connectors_readers_take_our_files(tmp_path, data):

@@ -2,10 +2,10 @@
 sizing code (real layer specs on the meta device, get_kv_cache_configs); CPU only.
 
 Run: python -m pytest tests/test_kv_capacity.py -q   (no GPU, no network)
-The bar: >= 95% of plain at every context length. Extraction's KV memory is the same budget
-less the runner's one-step hidden-state buffers, which the runner patch counts into vLLM's
-memory budget. (When extraction ran as speculative decoding, the extra GDN state block per
-request cost 19% at 8k context.)
+The bar: the same capacity as plain at every context length. Extraction adds no KV cache
+spec and holds no GPU memory between steps (a step's hand-over is in the peak vLLM profiles,
+which bench.py measures on the GPU). (When extraction ran as speculative decoding, the extra
+GDN state block per request cost 19% at 8k context.)
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import os
 
 import harness
 import pytest
-
-from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import buffer_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS = [1, 16, 31, 46, 61, 64]
@@ -42,23 +40,13 @@ def _tokens(model: str, max_model_len: int, extract: bool) -> int:
         kw.update(connector=harness.OURS, layer_ids=LAYERS)
     else:
         kw.update(connector=None, layer_ids=None)
-    tokens, _, held = harness.kv_capacity(harness.engine_config(model, **kw), KV_MEMORY)
-    assert (held > 0) == extract
-    return tokens
+    return harness.kv_capacity(harness.engine_config(model, **kw), KV_MEMORY)[0]
 
 
 @pytest.mark.parametrize(
     "max_model_len", [pytest.param(8448, marks=pytest.mark.smoke), 32768, 262144]
 )
-def test_capacity_at_least_95_percent_of_plain(model_27b, max_model_len):
+def test_capacity_is_plains(model_27b, max_model_len):
     plain = _tokens(model_27b, max_model_len, extract=False)
     ours = _tokens(model_27b, max_model_len, extract=True)
-    assert ours >= 0.95 * plain, f"{ours:,} vs {plain:,} tokens ({ours / plain:.1%})"
-
-
-def test_buffers_are_one_step_of_rows(model_27b):
-    cfg = harness.engine_config(
-        model_27b, connector=harness.OURS, layer_ids=LAYERS, max_num_batched_tokens=STEP_TOKENS
-    )
-    # 16,384 tokens x 6 layers x 5,120 x 2 B + 16,384 int64 positions: 0.94 GiB.
-    assert buffer_bytes(cfg) == 16384 * 6 * 5120 * 2 + 16384 * 8
+    assert ours == plain, f"{ours:,} vs {plain:,} tokens ({ours / plain:.1%})"

@@ -2,13 +2,14 @@
 
 Run: python -m pytest tests/test_patch_worker_gpu_model_runner.py -q   (no GPU, no network)
 Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
-runner through the config; load_model counts the one-step buffers into vLLM's memory budget;
+runner through the config; profile_run allocates the largest step's hand-over inside vLLM's
+memory profiling (the connector's own GPU work on rows of that shape);
 the patched GPUModelRunner._model_forward, inside the steps that vLLM's own
 KVConnectorModelRunnerMixin runs around it (each release's hook order), hands the real
 worker-side connector each step's rows (scheduled tokens only, configured layer order, M-RoPE
 positions) and the files hold exactly those rows; other connectors are untouched.
-Edges replaced: the GPU runner's construction (a CUDA device), loading weights onto the GPU,
-and the model itself.
+Edges replaced: the GPU runner's construction (a CUDA device), vLLM's dummy forward pass on
+the GPU, and the model itself.
 """
 
 from __future__ import annotations
@@ -72,25 +73,34 @@ def test_other_connectors_keep_vllms_aux_layers():
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) == (8, 1, 4)
 
 
-def test_load_model_counts_the_buffers_in_vllms_memory_budget(hybrid_model):
+def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
     cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
     tokens = cfg.scheduler_config.max_num_batched_tokens
     hidden = cfg.model_config.get_hidden_size()
-    assert patch_mod.buffer_shapes(cfg) == ((tokens, 3, hidden), tokens)
-    assert patch_mod.buffer_bytes(cfg) == tokens * 3 * hidden * 2 + tokens * 8  # bf16, int64
-
-    def load_weights(self, *args, **kwargs):  # the edge: vLLM's loader on a GPU
-        self.model_memory_usage = 10**9
-
     runner = object.__new__(GPUModelRunner)
-    runner.vllm_config = cfg
-    with mock.patch.object(patch_mod, "_orig_load_model", load_weights):
+    runner.vllm_config, runner.model_config = cfg, cfg.model_config
+    runner.max_num_tokens, runner.device = tokens, torch.device("cpu")
+    forwards, handed = [], []
+
+    def dummy_forward(self, *args, **kwargs):  # the edge: vLLM's dummy forward on a GPU
+        forwards.append(kwargs)
+
+    real = HybridHiddenStatesConnector.profile_save_hidden_states
+
+    def spy(vllm_config, hidden_states):
+        handed.append(tuple(hidden_states.shape))
+        real(vllm_config, hidden_states)  # the connector's own GPU work, here on CPU
+
+    with (
+        mock.patch.object(patch_mod, "_orig_profile_run", dummy_forward),
+        mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy),
+    ):
         runner.hidden_states_layer_ids = [8, 1, 4]
-        GPUModelRunner.load_model(runner)
-        assert runner.model_memory_usage == 10**9 + patch_mod.buffer_bytes(cfg)
+        GPUModelRunner.profile_run(runner, randomize_inputs=False)  # 0.33.0's keyword
         runner.hidden_states_layer_ids = None  # another connector, or none
-        GPUModelRunner.load_model(runner)
-        assert runner.model_memory_usage == 10**9
+        GPUModelRunner.profile_run(runner)
+    assert forwards == [{"randomize_inputs": False}, {}]
+    assert handed == [(tokens, 3, hidden)]  # the largest step, once, after the forward
 
 
 class _Model:
@@ -104,15 +114,10 @@ class _Model:
         return aux[-1], aux
 
 
-def _runner(cfg, layer_ids, max_tokens=32):
+def _runner(layer_ids):
     runner = object.__new__(GPUModelRunner)
-    hidden = cfg.model_config.get_hidden_size()
     runner.hidden_states_layer_ids = list(layer_ids)
     runner.hidden_states_order = patch_mod.layer_order(layer_ids)
-    runner.hidden_states_buffer = torch.empty(
-        max_tokens, len(layer_ids), hidden, dtype=torch.bfloat16
-    )
-    runner.hidden_states_positions = torch.empty(max_tokens, dtype=torch.int64)
     return runner
 
 
@@ -132,7 +137,7 @@ def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
 
     with set_current_vllm_config(cfg):
         conn = HybridHiddenStatesConnector(cfg, KVConnectorRole.WORKER)
-        runner = _runner(cfg, layer_ids)
+        runner = _runner(layer_ids)
 
         def step(meta, sched, pad=3, mrope=False):  # sched: (req_id, start, count), batch order
             pos = torch.cat([torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad)])

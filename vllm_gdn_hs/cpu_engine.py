@@ -193,21 +193,14 @@ def kv_cache_config(vllm_config: VllmConfig, specs: dict | None = None, memory: 
 
 
 def kv_capacity(vllm_config: VllmConfig, memory: int):
-    """(vLLM's "GPU KV cache size" in tokens, the KV cache config, bytes held for hidden
-    states) for ``memory`` bytes of KV memory. When hidden states are extracted, the
-    runner's one-step buffers come out of the budget first, as the runner patch counts them."""
+    """(vLLM's "GPU KV cache size" in tokens, the KV cache config) for ``memory`` bytes of KV
+    memory. Extraction holds no GPU memory between steps (a step's hand-over is in the peak
+    vLLM profiles, which only a GPU measures), so what differs here is the KV cache specs."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as runner_patch
-
-    held = (
-        runner_patch.buffer_bytes(vllm_config)
-        if runner_patch.extraction_layer_ids(vllm_config)
-        else 0
-    )
-    kcc = kv_cache_config(vllm_config, memory=memory - held)
+    kcc = kv_cache_config(vllm_config, memory=memory)
     conc = get_max_concurrency_for_kv_cache_config(vllm_config, kcc)
-    return int(conc * vllm_config.model_config.max_model_len), kcc, held
+    return int(conc * vllm_config.model_config.max_model_len), kcc
 
 
 def scheduler(vllm_config: VllmConfig, kv_cache_config_=None):

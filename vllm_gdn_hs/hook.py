@@ -1,8 +1,8 @@
 """The hook between the patched model runner and the connector that takes its rows.
 
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) calls these two methods after
+The runner patch (``patch/patch_worker_gpu_model_runner.py``) calls this method after
 every forward pass; :class:`vllm_gdn_hs.connector.HybridHiddenStatesConnector` implements
-them. Kept apart from the connector so that the patch can import it in every vLLM process
+it. Kept apart from the connector so that the patch can import it in every vLLM process
 without loading the connector.
 """
 
@@ -13,13 +13,11 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class TakesHiddenStates(Protocol):
-    def wait_staging_free(self) -> None:
-        """Make the current stream wait, on the GPU, until the runner's step buffer may be
-        overwritten (the last step's copy out of it is done)."""
-
     def save_hidden_states(self, hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
         """One step's rows [tokens, L, H] of the scheduled tokens, in batch order, with the
-        request ids, query start locations (CPU) and each row's token position."""
+        request ids, query start locations (CPU) and each row's token position. The tensors
+        are the runner's to drop after the call: a copy made later on another stream must
+        keep them alive (``record_stream``)."""
 
 
 def hidden_states_connector(connector: object) -> TakesHiddenStates:

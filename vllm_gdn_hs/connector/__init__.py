@@ -8,8 +8,8 @@ hands each call to its side:
 
 - :mod:`.scheduler`: which file each request gets (``vllm_gdn_hs.files``), and the token ids
   to write once it finishes;
-- :mod:`.worker`: the rows of each step, from the runner's GPU step buffer through the pinned
-  host ring (:mod:`.staging`) into each request's rows (:mod:`.request_rows`), then the file;
+- :mod:`.worker`: the rows of each step, from the GPU through the pinned host ring
+  (:mod:`.staging`) into each request's rows (:mod:`.request_rows`), then the file;
 - :mod:`.metadata`: what the scheduler side tells the worker side each step;
 - :mod:`.checks`: the startup checks.
 
@@ -39,6 +39,7 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
+from vllm_gdn_hs.connector.staging import rows_and_norms
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.hook import TakesHiddenStates
 
@@ -104,9 +105,12 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         pass  # nothing to load
 
-    def wait_staging_free(self) -> None:
-        if self._worker is not None:
-            self._worker.wait_staging_free()
+    @staticmethod
+    def profile_save_hidden_states(vllm_config: VllmConfig, hidden_states: torch.Tensor) -> None:
+        """The GPU work of :meth:`save_hidden_states` on dummy rows of the largest step, for
+        the runner's ``profile_run`` (before any connector exists): its temporaries then
+        count in the memory vLLM sizes the KV cache from."""
+        rows_and_norms(hidden_states, config_from(vllm_config).fp8)
 
     def save_hidden_states(
         self,

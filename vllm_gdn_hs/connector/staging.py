@@ -1,11 +1,12 @@
-"""Device-to-host staging: a ring of pinned host slots, filled from the runner's one-step GPU
-buffer on a side stream.
+"""Device-to-host staging: a ring of pinned host slots, filled from each step's rows on a side
+stream.
 
-The runner allocates its GPU step buffer before vLLM profiles memory (so it is counted in the
-budget), before any connector exists; this ring decides when that buffer may be reused:
-:meth:`HostRing.wait_free` makes the compute stream wait, on the GPU, for the last copy out
-of it. A slot is free again once the drain thread has filed its rows. On CPU (tests) the same
-path runs with plain copies.
+The GPU work (norms, and fp8 quantization) runs on the compute stream in chunks of
+:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and come out of
+the memory vLLM profiled (the runner patch runs it once on the largest step inside
+``profile_run``). The side stream only copies; ``record_stream`` keeps the step's GPU tensors
+alive until it has, so the runner holds no buffer between steps. A slot is free again once
+the drain thread has filed its rows. On CPU (tests) the same path runs with plain copies.
 """
 
 from __future__ import annotations
@@ -17,6 +18,30 @@ from dataclasses import dataclass
 import torch
 
 from vllm_gdn_hs.files import row_norms
+
+CHUNK_TOKENS = 1024  # float32 temporaries of 1,024 x 6 x 5,120: 0.13 GB each at 27B size
+
+
+def rows_and_norms(hidden_states: torch.Tensor, fp8: bool, chunk: int = CHUNK_TOKENS):
+    """What goes to the host for rows [T, L, H]: the rows (with ``fp8``, quantized with
+    hs-connectors' per-token float8_e4m3fn scaling) and [T, L] float32 norms of the
+    unquantized rows (with ``fp8``, [T, L + 1]: each row's scale as a last column). In chunks
+    of ``chunk`` tokens; both are per token, so the chunks change no value."""
+    num_tokens, num_layers = hidden_states.shape[:2]
+    norms = hidden_states.new_empty((num_tokens, num_layers + fp8), dtype=torch.float32)
+    rows = hidden_states
+    if fp8:
+        from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+        rows = torch.empty_like(hidden_states, dtype=torch.float8_e4m3fn)
+    for s in range(0, num_tokens, chunk):
+        h = hidden_states[s : s + chunk]
+        norms[s : s + chunk, :num_layers] = row_norms(h)
+        if fp8:
+            q, scales = quantize_tensor_to_fp8(h)
+            rows[s : s + chunk] = q
+            norms[s : s + chunk, num_layers] = scales.view(-1)
+    return rows, norms
 
 
 @dataclass
@@ -52,13 +77,6 @@ class HostRing:
         for s in self.slots:
             s.free.set()
         self.next = 0
-        self.last_copy: torch.cuda.Event | None = None
-
-    def wait_free(self) -> None:
-        """Make the current stream wait (on the GPU) for the last copy out of the runner's
-        step buffer before it is overwritten."""
-        if self.last_copy is not None:
-            torch.cuda.current_stream().wait_event(self.last_copy)
 
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
@@ -74,29 +92,19 @@ class HostRing:
             slot.free.wait()
             waited = time.monotonic() - start
         slot.free.clear()
+        rows, norms = rows_and_norms(hidden_states, self.fp8)
         if self.stream is None:
-            rows, norms = self._rows_and_norms(hidden_states)
             slot.hidden_states[:num_tokens].copy_(rows)
             slot.norms[:num_tokens].copy_(norms)
             slot.positions[:num_tokens].copy_(positions)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                rows, norms = self._rows_and_norms(hidden_states)
                 slot.hidden_states[:num_tokens].copy_(rows, non_blocking=True)
                 slot.norms[:num_tokens].copy_(norms, non_blocking=True)
                 slot.positions[:num_tokens].copy_(positions, non_blocking=True)
                 slot.copied.record(self.stream)
-            self.last_copy = slot.copied
+            # Made on the compute stream, read on this one: not reused before the copies end.
+            for t in (hidden_states, rows, norms, positions):
+                t.record_stream(self.stream)
         return slot, waited
-
-    def _rows_and_norms(self, hidden_states: torch.Tensor):
-        """What goes to the host: the rows (quantized with fp8) and their norms (of the
-        unquantized rows; with fp8 the scale as a last column)."""
-        norms = row_norms(hidden_states)
-        if not self.fp8:
-            return hidden_states, norms
-        from hs_connectors.fp8_utils import quantize_tensor_to_fp8
-
-        rows, scales = quantize_tensor_to_fp8(hidden_states)
-        return rows, torch.cat([norms, scales.view(-1, 1)], dim=1)

@@ -69,9 +69,6 @@ class HybridHiddenStatesConnectorWorker:
         self.drain.start()
 
     # -- engine thread ----------------------------------------------------
-    def wait_staging_free(self) -> None:
-        self.ring.wait_free()
-
     def on_metadata(self, meta: HybridHiddenStatesConnectorMetadata) -> None:
         for req in meta.new_requests:
             if req.req_id in self.requests:
