@@ -7,9 +7,10 @@ memory profiling (the connector's own GPU work on rows of that shape);
 the patched GPUModelRunner._model_forward, inside the steps that vLLM's own
 KVConnectorModelRunnerMixin runs around it (each release's hook order), hands the real
 worker-side connector each step's rows (scheduled tokens only, configured layer order, M-RoPE
-positions) and the files hold exactly those rows; other connectors are untouched.
+positions) and the files hold exactly those rows; a one-token step that starts a prompt is
+not dispatched as a FULL decode CUDA graph; other connectors are untouched.
 Edges replaced: the GPU runner's construction (a CUDA device), vLLM's dummy forward pass on
-the GPU, and the model itself.
+the GPU, the model itself, and the CUDA graph dispatcher.
 """
 
 from __future__ import annotations
@@ -175,3 +176,73 @@ def test_model_forward_streams_rows_to_the_connector(hybrid_model, tmp_path):
         # the NaN padding rows never reach a file.
         assert torch.equal(got["hidden_states"], full[r][:, [2, 0, 1]])
         assert got["token_ids"].tolist() == tokens
+
+
+class _Dispatcher:
+    """vLLM's CUDA graph dispatcher at the edge (no graphs on a CPU): FULL for a uniform
+    decode batch, PIECEWISE otherwise, as FULL_AND_PIECEWISE dispatches."""
+
+    def __init__(self):
+        self.uniform = []
+
+    def dispatch(self, num_tokens, uniform_decode=False, **kwargs):
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import BatchDescriptor
+
+        self.uniform.append(uniform_decode)
+        mode = CUDAGraphMode.FULL if uniform_decode else CUDAGraphMode.PIECEWISE
+        return mode, BatchDescriptor(num_tokens=num_tokens)
+
+
+@pytest.mark.smoke  # every release: its own _determine_batch_execution_and_padding
+@pytest.mark.parametrize(
+    "computed, ours, full",
+    [
+        ([5, 9, 0], True, False),  # a one-token prompt among decodes: piecewise
+        ([0], True, False),  # a one-token prompt alone: piecewise
+        ([5, 9, 3], True, True),  # decodes only: FULL, as vLLM decides
+        ([5, 9, 0], False, True),  # extraction off: vLLM's own decision
+    ],
+)
+def test_a_step_that_starts_a_prompt_is_not_a_full_decode_graph(
+    hybrid_model, tmp_path, computed, ours, full
+):
+    """A one-token step that starts a prompt is a prefill to the GDN backend, which FULL decode
+    graphs do not run (on the H200, vLLM 0.33.0: the prompt's hidden states came out wrong)."""
+    import numpy as np
+    from vllm.config import CUDAGraphMode
+
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, storage=str(tmp_path))
+    runner = _runner((1, 4, 8)) if ours else object.__new__(GPUModelRunner)
+    runner.vllm_config, runner.model_config = cfg, cfg.model_config
+    runner.parallel_config = cfg.parallel_config
+    runner.compilation_config = cfg.compilation_config
+    runner.uniform_decode_query_len = 1
+    runner.cudagraph_dispatcher = dispatcher = _Dispatcher()
+    runner.input_batch = SimpleNamespace(
+        num_computed_tokens_cpu=np.array(computed + [7, 7]),  # rows past num_reqs: stale
+        lora_id_to_lora_request={},
+    )
+    n = len(computed)
+    mode = GPUModelRunner._determine_batch_execution_and_padding(
+        runner,
+        num_tokens=n,
+        num_reqs=n,
+        num_scheduled_tokens_np=np.ones(n, dtype=np.int32),
+        max_num_scheduled_tokens=1,
+        use_cascade_attn=False,  # required before 0.32.0
+    )[0]
+    assert mode == (CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE)
+    assert dispatcher.uniform == [full]
+    # CUDA graph capture says what it captures: untouched.
+    dispatcher.uniform.clear()
+    GPUModelRunner._determine_batch_execution_and_padding(
+        runner,
+        num_tokens=n,
+        num_reqs=n,
+        num_scheduled_tokens_np=np.ones(n, dtype=np.int32),
+        max_num_scheduled_tokens=1,
+        use_cascade_attn=False,
+        force_uniform_decode=True,
+    )
+    assert dispatcher.uniform == [True]

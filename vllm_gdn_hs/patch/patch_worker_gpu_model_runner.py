@@ -25,13 +25,22 @@ How, only when the connector is configured:
   ``vllm_gdn_hs.hook.TakesHiddenStates`` (the active connector, or ours inside
   ``MultiConnector``; any other connector is refused with a message at the first
   step). The connector copies them to pinned host memory on a side stream and
-  keeps the tensors alive for it (``record_stream``); nothing here waits on the GPU.
+  keeps the tensors alive for it (``record_stream``); nothing here waits on the GPU;
+- ``_determine_batch_execution_and_padding``: a step of one-token requests that
+  starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
+  decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but
+  the GDN backend builds a prompt's first chunk as a prefill (no prior state),
+  which that graph does not run: the request read a recycled state and its
+  hidden states came out wrong (vLLM 0.33.0, H200: error 0.14-0.25 against HF
+  fp32 at every layer, 16x HF bf16's). The step runs as a piecewise graph instead.
 
 Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
 without speculative decoding. Source twin: ``patches/<vllm version>/0004-*.patch``.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -44,6 +53,8 @@ _orig_init = GPUModelRunner.__init__
 _orig_aux_layers = GPUModelRunner._get_eagle3_aux_layers_from_config
 _orig_model_forward = GPUModelRunner._model_forward
 _orig_profile_run = GPUModelRunner.profile_run
+_orig_batch_execution = GPUModelRunner._determine_batch_execution_and_padding
+_BATCH_EXECUTION_ARGS = inspect.signature(_orig_batch_execution)
 
 
 def extraction_layer_ids(vllm_config) -> list[int] | None:
@@ -143,6 +154,25 @@ def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tens
     )
 
 
+def _determine_batch_execution_and_padding(self, *args, **kwargs):
+    if getattr(self, "hidden_states_layer_ids", None):
+        call = _BATCH_EXECUTION_ARGS.bind(self, *args, **kwargs).arguments
+        # Dummy runs (profiling, CUDA graph capture) say force_uniform_decode themselves.
+        if "force_uniform_decode" not in call and starts_a_prompt_in_one_token_steps(
+            self, call["num_reqs"], call["max_num_scheduled_tokens"]
+        ):
+            kwargs["force_uniform_decode"] = False
+    return _orig_batch_execution(self, *args, **kwargs)
+
+
+def starts_a_prompt_in_one_token_steps(self, num_reqs: int, max_num_scheduled_tokens: int) -> bool:
+    """Whether every request of the step has one token scheduled and one of them starts
+    its prompt (no token computed yet): vLLM would call it a uniform decode batch."""
+    if max_num_scheduled_tokens != self.uniform_decode_query_len:
+        return False
+    return bool((self.input_batch.num_computed_tokens_cpu[:num_reqs] == 0).any())
+
+
 PATCH = Patch(
     GPUModelRunner,
     {
@@ -150,5 +180,6 @@ PATCH = Patch(
         "profile_run": profile_run,
         "_get_eagle3_aux_layers_from_config": _get_eagle3_aux_layers_from_config,
         "_model_forward": _model_forward,
+        "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,
     },
 )
