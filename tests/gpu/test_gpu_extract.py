@@ -6,7 +6,8 @@ Set VLLM_GDN_HS_RESULTS=/path/results.json to keep the measured figures.
 Covers: hybrid Qwen3.5 and dense Qwen3 tiny models (built here, random weights) and a
 deeper hybrid (12 layers, hidden 384, GDN value heads = 3 x key heads, as Qwen3.6-27B),
 >= 4 layer ids in unsorted order incl. 1 and N, prompts of 1/17/100/700 tokens,
-chunked prefill, 80 requests in one batch, eager and CUDA-graph mode, vLLM's
+chunked prefill, 80 requests in one batch, eager and CUDA-graph mode (with one-token
+prompts in steps of one token per request: alone and among decodes), vLLM's
 default scheduling, include_output_tokens, preemption, an abort, and the KV
 cache capacity against the same engine without extraction.
 Judged against HF run in fp32 on the same bf16 weights (vllm_gdn_hs.reference): each
@@ -148,9 +149,10 @@ def assert_pooled(name: str, pooled: dict) -> None:
     )
 
 
-def _check(kind, outputs, prompts, reference, name, include_outputs=False) -> list[dict]:
+def _check(kind, outputs, prompts, reference, name, include_outputs=False, pool=True) -> list[dict]:
     """One run, judged against HF fp32 (BAR): every file complete, sane and within the
-    per-file bound, then the run's errors pooled over its files within the bar. Returns
+    per-file bound, then (``pool``: for runs of several files) the run's errors pooled over
+    its files within the bar. Returns
     each file's HFReference.check result, in order. RESULTS keeps the pooled errors per
     layer of ours and of HF bf16, the worst in one file, and both for one file of each
     length."""
@@ -184,7 +186,8 @@ def _check(kind, outputs, prompts, reference, name, include_outputs=False) -> li
     assert not failed, f"{name}: {len(failed)} of {len(outputs)} files fail:\n" + "\n".join(
         failed[:10]
     )
-    assert_pooled(name, pooled)
+    if pool:
+        assert_pooled(name, pooled)
     return checks
 
 
@@ -303,10 +306,33 @@ def test_deep_hybrid_chunked_and_unchunked(models, reference, tmp_path):
     )
 
 
+def _one_token_prompt_among_decodes(llm, prompt):
+    """Add a one-token prompt while two requests decode: a step of one token per request
+    that starts a prompt (vLLM's V1 runner once replayed it as a FULL decode CUDA graph)."""
+    from vllm import SamplingParams
+
+    engine_ = llm.llm_engine
+    for i, p in enumerate(_prompts(6, [30, 40])):
+        params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        engine_.add_request(f"decode-{i}", {"prompt_token_ids": p}, params)
+    for _ in range(4):  # both prompts prefilled in the first step, then decoding
+        engine_.step()
+    engine_.add_request("one-token", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1))
+    finished, deadline = [], time.monotonic() + 60
+    while engine_.has_unfinished_requests() and time.monotonic() < deadline:
+        finished += [o for o in engine_.step() if o.finished]
+    (out,) = [o for o in finished if list(o.prompt_token_ids) == list(prompt)]
+    return out
+
+
 def test_hybrid_cudagraph(models, reference, tmp_path):
     with engine(models["hybrid"], "hybrid", str(tmp_path), enforce_eager=False) as llm:
         _check("hybrid", _generate(llm, BASE), BASE, reference, "hybrid_cudagraph")
         _check("hybrid", _generate(llm, MANY), MANY, reference, "hybrid_cudagraph_80_requests")
+        # One-token prompts in steps of one token per request: alone, and among decodes.
+        one = _prompts(7, [1])
+        outs = _generate(llm, one) + [_one_token_prompt_among_decodes(llm, one[0])]
+        _check("hybrid", outs, one * 2, reference, "hybrid_cudagraph_one_token", pool=False)
 
 
 def test_dense(models, reference, tmp_path):
