@@ -2,7 +2,8 @@
 # The release matrix: install each vLLM release into its own virtualenv and run the smoke set
 # (tests marked `smoke`: vLLM's plugin loader finds the plugin; the tiny hybrid's config, KV
 # cache groups and Scheduler build with our connector; a step through the release's own runner
-# mixin hands the rows to the connector; the release's patch series applies).
+# mixin hands the rows to the connector; a one-token step that starts a prompt is not a FULL
+# decode CUDA graph; the release's patch series applies).
 # A release in REFUSED (vllm_gdn_hs/version.py) passes when the plugin refuses it with its
 # reason instead. CPU only; about 2-4 minutes a release with uv's cache warm.
 #
