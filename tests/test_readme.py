@@ -30,7 +30,7 @@ import pytest
 from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
 from vllm_gdn_hs.launch import make_parser, parse_args
-from vllm_gdn_hs.testing import hybrid_config_dict, write_config
+from vllm_gdn_hs.testing import build_tiny_hybrid, hybrid_config_dict, write_config
 from vllm_gdn_hs.version import RELEASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -358,7 +358,7 @@ def test_check_commands_on_a_folder_with_one_file(places, tmp_path):
     os.makedirs(folder)
     write_file(
         request_path(folder, "cmpl-0123456789abcdef-0-89abcdef"),
-        torch.ones(5, 4, 256, dtype=torch.bfloat16),
+        torch.ones(5, 6, 256, dtype=torch.bfloat16),  # rows no model gives
         torch.arange(5, dtype=torch.int64),
     )
     here = {**places, "folder": folder}
@@ -366,9 +366,16 @@ def test_check_commands_on_a_folder_with_one_file(places, tmp_path):
     assert cmds
     for cmd in cmds:
         argv = substitute(cmd[1:], here)
-        r = _cli(*argv, cwd=tmp_path, timeout=60)
+        reference = "--reference" in argv
+        if reference:  # the tiny hybrid with weights, as many layers as Qwen3.6-27B
+            weights = build_tiny_hybrid(str(tmp_path / "weights"), num_hidden_layers=LAYERS)
+            argv[argv.index("--reference") + 1] = weights
+        r = _cli(*argv, cwd=tmp_path, timeout=300)
         expect = int(argv[argv.index("--expect") + 1]) if "--expect" in argv else None
-        assert r.returncode == (1 if expect and expect > 1 else 0), r.stdout + r.stderr
+        fails = reference or (expect and expect > 1)
+        assert r.returncode == (1 if fails else 0), r.stdout + r.stderr
+        if reference:
+            assert "FAILED: 1 of 1 files over the per-file bound" in r.stdout, r.stdout
         assert r.stdout.startswith(f"{folder}: 1 complete files, 5 tokens"), r.stdout
         if expect and expect > 1:
             assert f"{expect - 1:,} missing" in r.stdout, r.stdout

@@ -6,6 +6,18 @@ import argparse
 import sys
 
 
+def _layer_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated integers, e.g. 1,16,31"
+        ) from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer ids >= 0, e.g. 1,16,31")
+    return ids
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
@@ -39,6 +51,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     chk.add_argument("--expect", type=int, help="the number of requests sent: report missing")
     chk.add_argument("--list", metavar="FILE", help="write problem paths, with reasons, to FILE")
+    chk.add_argument(
+        "--reference",
+        metavar="MODEL",
+        help="also hold a sample of the files to HF transformers on this model folder (the "
+        "served weights): fp32 is the truth, each file's error at most 3x HF bf16's",
+    )
+    chk.add_argument(
+        "--layer-ids", type=_layer_ids, help="with --reference: the layer ids served, e.g. 1,16,31"
+    )
+    chk.add_argument("--files", type=int, default=8, help="with --reference: files to sample")
+    chk.add_argument(
+        "--max-tokens", type=int, default=512, help="with --reference: tokens per file judged"
+    )
+    chk.add_argument(
+        "--device", default="cpu", help="with --reference: where HF runs (cpu, cuda:1, ...)"
+    )
     demo = sub.add_parser(
         "demo",
         help="extract hidden states from a tiny hybrid model on the "
@@ -53,7 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         from vllm_gdn_hs.check import run_check
 
-        return run_check(args.dir, args.rows, args.expect, args.list)
+        if args.reference and not args.layer_ids:
+            parser.error("--reference needs --layer-ids (the ids the server extracted)")
+        status = run_check(args.dir, args.rows, args.expect, args.list)
+        if args.reference and status != 2:
+            from vllm_gdn_hs.spot_check import run_spot_check
+
+            spot = run_spot_check(
+                args.dir, args.reference, args.layer_ids, args.files, args.max_tokens, args.device
+            )
+            status = max(status, spot)
+        return status
     from vllm_gdn_hs.demo import run_demo
 
     return run_demo(args.workdir)

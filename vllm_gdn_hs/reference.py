@@ -288,6 +288,25 @@ class HFReference:
             )
         return self._cache[key]
 
+    def precompute(self, prompts: list[list[int]]) -> None:
+        """Cache the references of ``prompts`` one dtype at a time, each model dropped after
+        its pass: memory for one model (fp32: 4 bytes per parameter), not both."""
+        keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
+        if len(keys) > self.max_cached:
+            raise ValueError(f"{len(keys)} prompts, more than max_cached={self.max_cached}")
+        refs = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            model = self.model(dtype)
+            for key in keys:
+                refs.setdefault(key, []).append(
+                    hf_hidden_states(model, [list(key)], self.layer_ids)[0]
+                )
+            del self._models[dtype], model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        for key, pair in refs.items():
+            self._cache[key] = tuple(pair)
+
     def check(self, data: dict, seq: list[int]) -> dict:
         """One extracted file (``token_ids``, ``hidden_states``) against the tokens it is of:
         ``problems`` (:func:`file_problems`, then each layer over the per-file bound,

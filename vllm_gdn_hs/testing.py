@@ -144,9 +144,30 @@ def build_model(path: str, config: dict, seed: int = 0) -> str:
     return path
 
 
+def _checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a model folder: the index's shards, or the one file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json; pass the folder "
+            "of a HF checkpoint in safetensors"
+        )
+    return [single]
+
+
+# Weights of a multimodal checkpoint that its language model does not use.
+_NOT_LANGUAGE_MODEL = ("model.visual.", "mtp.")
+
+
 def load_text_model(path: str, device: str = "cuda", dtype=None):
-    """The HF causal LM of a model folder (the language model of a multimodal one), in
-    ``dtype`` (default bf16, as saved; fp32 upcasts the same bf16 weights)."""
+    """The HF causal LM of a model folder (the language model of a multimodal one, whose
+    vision tower and MTP weights are skipped), in ``dtype`` (default bf16, as saved; fp32
+    upcasts the same bf16 weights). One or several safetensors shards."""
     import torch
     from safetensors.torch import load_file
 
@@ -154,16 +175,21 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
 
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    model = _text_model(config).to(dtype)
-    state = load_file(os.path.join(path, "model.safetensors"))
-    if "vision_config" in config:
-        new, old = _MM_PREFIX
+    model = _text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
+    new, old = _MM_PREFIX
+    missing = set(model.state_dict())
+    for shard in _checkpoint_files(path):
         state = {
-            (new + k[len(old) :] if k.startswith(old) else k): v
-            for k, v in state.items()
-            if not k.startswith("model.visual.")
+            (new + k[len(old) :] if "vision_config" in config and k.startswith(old) else k): v
+            for k, v in load_file(shard).items()
+            if not k.startswith(_NOT_LANGUAGE_MODEL)
         }
-    model.load_state_dict(state, strict=True)
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"{shard}: weights the model does not have: {unexpected[:5]}")
+        missing -= set(state)
+    if missing:
+        raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
     return model.to(device).eval()
 
 

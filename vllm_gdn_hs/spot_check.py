@@ -1,0 +1,144 @@
+"""``vllm-gdn-hs check DIR --reference MODEL``: a sample of a run's files against HF transformers.
+
+``check`` alone sees what a file's header and rows show: truncated files, NaN/Inf, all-zero
+rows. A wrong state that is finite and not zero (a recycled GDN state, rows shifted by a
+token, another layer) passes those checks and is only seen against the model itself. This
+runs HF transformers on the same weights over a sample of the folder's complete files and
+holds them to the GPU suite's bar (:mod:`vllm_gdn_hs.reference`): HF in fp32 is the truth,
+and each file's error against it may be at most GROSS_FACTOR x HF bf16's, the sample's
+pooled error at most BAR_FACTOR x.
+
+A file's rows depend only on the tokens up to theirs, so each file is judged on its first
+``max_tokens`` tokens. Files are read without their lock: a file still to be read by the
+trainer stays as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from vllm_gdn_hs.files import LOCK_SUFFIX, SUFFIX, hidden_states_of, lock_held
+
+
+def complete_files(root: str) -> list[str]:
+    """The folder's data files whose writer is done (no lock, or a lock nobody holds), sorted."""
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(SUFFIX) and os.path.isfile(path) and not os.path.islink(path):
+                lock = path + LOCK_SUFFIX
+                if not os.path.exists(lock) or lock_held(lock) is False:
+                    found.append(path)
+    return sorted(found)
+
+
+def sample(paths: list[str], n: int) -> list[str]:
+    """``n`` of ``paths`` spread evenly over them (all of them if there are no more)."""
+    if len(paths) <= n:
+        return list(paths)
+    return [paths[i * len(paths) // n] for i in range(n)]
+
+
+def _read(path: str, max_tokens: int) -> dict:
+    """One file's tensors, cut to its first ``max_tokens`` tokens."""
+    from safetensors.torch import load_file
+
+    data = load_file(path)
+    return {k: v[:max_tokens] for k, v in data.items()}
+
+
+def model_folder(model: str) -> str | None:
+    """A model folder, or a HF hub id's snapshot in the local cache (nothing is downloaded)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception:  # not a hub id, or not in the cache
+        return None
+
+
+def run_spot_check(
+    root: str,
+    model: str,
+    layer_ids: list[int],
+    files: int = 8,
+    max_tokens: int = 512,
+    device: str = "cpu",
+) -> int:
+    """0: the sample is within the bar; 1: a file or the pooled sample is not; 2: bad input."""
+    from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
+
+    folder = model_folder(model)
+    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
+        print(
+            f"error: {model} is no model folder with a config.json, nor a HF hub id in the local "
+            "cache; pass the served model's folder (or `huggingface-cli download` it first)",
+            file=sys.stderr,
+        )
+        return 2
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    num_layers = (config.get("text_config") or config).get("num_hidden_layers", 0)
+    if max(layer_ids) > num_layers:
+        print(
+            f"error: --layer-ids {layer_ids} go past {model}'s {num_layers} layers; pass the "
+            "layer ids the server extracted, for the model it served",
+            file=sys.stderr,
+        )
+        return 2
+    chosen = sample(complete_files(root), files)
+    if not chosen:
+        print(f"error: no complete file under {root} to check", file=sys.stderr)
+        return 2
+    data = {p: _read(p, max_tokens) for p in chosen}
+    width = {hidden_states_of(d).shape[1] for d in data.values()}
+    if width != {len(layer_ids)}:
+        print(
+            f"error: the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
+            "pass the layer ids the server extracted (in its order, as the launcher prints "
+            "them)",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"{len(chosen)} of the complete files under {root}, first {max_tokens} tokens each, "
+        f"against HF transformers ({model}, fp32 and bf16 on {device}), layers {layer_ids}"
+    )
+    ref = HFReference(folder, layer_ids, device=device, max_cached=len(chosen))
+    try:
+        try:
+            ref.precompute([d["token_ids"].tolist() for d in data.values()])
+        except (OSError, ValueError) as e:  # no weights, or not this model's
+            print(f"error: HF transformers on {model}: {e}", file=sys.stderr)
+            return 2
+        bad = 0
+        for path, d in data.items():
+            result = ref.check(d, d["token_ids"].tolist())
+            ratio = worst_by_layer([result]).get("worst_ratio", float("nan"))
+            verdict = "; ".join(result["problems"]) or "within the per-file bound"
+            print(
+                f"  {path}: {len(d['token_ids'])} token(s), worst layer {ratio:.2f} x HF bf16's "
+                f"error: {verdict}"
+            )
+            bad += bool(result["problems"])
+        pooled = ref.pooled()
+    finally:
+        ref.close()
+    print(describe_pooled(pooled))
+    if bad or pooled["problems"]:
+        for line in pooled["problems"]:
+            print(f"  {line}")
+        print(
+            f"FAILED: {bad} of {len(chosen)} files over the per-file bound"
+            + (", the pooled sample over the bar" if pooled["problems"] else "")
+            + ". These hidden states are not the model's: do not train on this folder; "
+            "run `vllm-gdn-hs doctor` and report the vLLM version and flags"
+        )
+        return 1
+    print("passed: as close to HF fp32 as HF transformers in bf16 is")
+    return 0
