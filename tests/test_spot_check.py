@@ -140,6 +140,17 @@ def test_files_being_written_are_left_out(tmp_path, model, hf_bf16, capsys):
     assert sample(list(range(10)), 3) == [0, 3, 6] and sample([1, 2], 5) == [1, 2]
 
 
+def test_a_truncated_file_is_left_out_and_reported(tmp_path, model, hf_bf16, capsys):
+    folder = _folder(tmp_path, hf_bf16)
+    broken = request_path(folder, "req-1")
+    with open(broken, "r+b") as f:
+        f.truncate(100)
+    status, out = _check(capsys, folder, model)
+    assert status == 1, out  # check's own report: a broken file
+    assert f"  {broken}: left out, unreadable" in out and "3 of the complete files" in out
+    assert "1 broken" in out and "passed: as close to HF fp32" in out
+
+
 def test_bad_input_names_the_fix(tmp_path, model, hf_bf16, capsys):
     folder = _folder(tmp_path, hf_bf16)
     status = main(["check", folder, "--reference", model, "--layer-ids", "1,3,6"])

@@ -95,8 +95,17 @@ def run_spot_check(
     if not chosen:
         print(f"error: no complete file under {root} to check", file=sys.stderr)
         return 2
-    data = {p: _read(p, max_tokens) for p in chosen}
-    width = {hidden_states_of(d).shape[1] for d in data.values()}
+    data, width = {}, set()
+    for path in chosen:
+        try:
+            data[path] = _read(path, max_tokens)
+            width.add(hidden_states_of(data[path]).shape[1])
+        except Exception as e:  # truncated or foreign: check's own report lists it
+            data.pop(path, None)
+            print(f"  {path}: left out, unreadable ({e or type(e).__name__})")
+    if not data:
+        print(f"error: no readable file among the {len(chosen)} sampled", file=sys.stderr)
+        return 2
     if width != {len(layer_ids)}:
         print(
             f"error: the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
@@ -106,10 +115,12 @@ def run_spot_check(
         )
         return 2
     print(
-        f"{len(chosen)} of the complete files under {root}, first {max_tokens} tokens each, "
-        f"against HF transformers ({model}, fp32 and bf16 on {device}), layers {layer_ids}"
+        f"{len(data)} of the complete files under {root}, first {max_tokens} tokens each, "
+        f"against HF transformers ({model}, fp32 then bf16 on {device}, one model at a time: "
+        f"minutes for a large model on the CPU), layers {layer_ids}",
+        flush=True,
     )
-    ref = HFReference(folder, layer_ids, device=device, max_cached=len(chosen))
+    ref = HFReference(folder, layer_ids, device=device, max_cached=len(data))
     try:
         try:
             ref.precompute([d["token_ids"].tolist() for d in data.values()])
@@ -134,7 +145,7 @@ def run_spot_check(
         for line in pooled["problems"]:
             print(f"  {line}")
         print(
-            f"FAILED: {bad} of {len(chosen)} files over the per-file bound"
+            f"FAILED: {bad} of {len(data)} files over the per-file bound"
             + (", the pooled sample over the bar" if pooled["problems"] else "")
             + ". These hidden states are not the model's: do not train on this folder; "
             "run `vllm-gdn-hs doctor` and report the vLLM version and flags"
