@@ -22,7 +22,12 @@ from vllm_gdn_hs.cli import main
 from vllm_gdn_hs.files import release_lock, request_path, take_lock, write_file
 from vllm_gdn_hs.reference import HFReference
 from vllm_gdn_hs.spot_check import complete_files, sample
-from vllm_gdn_hs.testing import build_tiny_hybrid, load_text_model
+from vllm_gdn_hs.testing import (
+    build_tiny_dense,
+    build_tiny_hybrid,
+    dense_config_dict,
+    load_text_model,
+)
 
 LAYERS = [1, 3, 6, 8]
 _rng = random.Random(5)
@@ -209,3 +214,17 @@ def test_sharded_checkpoint_with_vision_and_mtp_weights(tmp_path, model):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ValueError, match="weights missing from the checkpoint"):
         load_text_model(str(folder), "cpu")
+
+
+def test_tied_embeddings_load_from_their_one_saved_name(tmp_path):
+    """A model with tied embeddings (Qwen3-0.6B) saves the embedding once, not lm_head."""
+    config = {**dense_config_dict(num_hidden_layers=2), "tie_word_embeddings": True}
+    built = load_text_model(build_tiny_dense(str(tmp_path / "untied"), num_hidden_layers=2), "cpu")
+    state = {k: v for k, v in built.state_dict().items() if k != "lm_head.weight"}
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, str(folder / "model.safetensors"))
+    model = load_text_model(str(folder), "cpu")
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])

@@ -177,7 +177,11 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
         config = json.load(f)
     model = _text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
     new, old = _MM_PREFIX
-    missing = set(model.state_dict())
+    # A weight is missing if none of its names was loaded (tied embeddings: one name saved).
+    names = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), set()).add(name)
+    loaded = set()
     for shard in _checkpoint_files(path):
         state = {
             (new + k[len(old) :] if "vision_config" in config and k.startswith(old) else k): v
@@ -187,7 +191,8 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
         unexpected = model.load_state_dict(state, strict=False).unexpected_keys
         if unexpected:
             raise ValueError(f"{shard}: weights the model does not have: {unexpected[:5]}")
-        missing -= set(state)
+        loaded |= set(state)
+    missing = [sorted(group)[0] for group in names.values() if not group & loaded]
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
     return model.to(device).eval()
