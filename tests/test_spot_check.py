@@ -18,10 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_gdn_hs.check import scan
 from vllm_gdn_hs.cli import main
 from vllm_gdn_hs.files import release_lock, request_path, take_lock, write_file
 from vllm_gdn_hs.reference import HFReference
-from vllm_gdn_hs.spot_check import complete_files, sample
+from vllm_gdn_hs.spot_check import run_spot_check, sample
 from vllm_gdn_hs.testing import (
     build_tiny_dense,
     build_tiny_hybrid,
@@ -136,7 +137,7 @@ def test_files_being_written_are_left_out(tmp_path, model, hf_bf16, capsys):
     busy = request_path(folder, "req-3")
     fd = take_lock(busy)
     try:
-        assert busy not in complete_files(folder)
+        assert busy not in scan(folder)["complete_paths"]
         status, out = _check(capsys, folder, model)
     finally:
         release_lock(fd, busy, remove=True)
@@ -151,9 +152,16 @@ def test_a_truncated_file_is_left_out_and_reported(tmp_path, model, hf_bf16, cap
     with open(broken, "r+b") as f:
         f.truncate(100)
     status, out = _check(capsys, folder, model)
-    assert status == 1, out  # check's own report: a broken file
-    assert f"  {broken}: left out, unreadable" in out and "3 of the complete files" in out
+    assert status == 1, out  # check's own report: a broken file, not among the complete ones
+    spot = out[out.index("3 of the complete files") :]  # check's own report comes first
+    assert f"  {broken}:" not in spot
     assert "1 broken" in out and "passed: as close to HF fp32" in out
+    # A file that breaks after check listed it: named and left out, the rest judged.
+    paths = sorted(request_path(folder, f"req-{i}") for i in range(len(PROMPTS)))
+    status = run_spot_check(folder, paths, model, LAYERS, device="cpu")
+    out = capsys.readouterr().out
+    assert f"  {broken}: left out, unreadable" in out and "3 of the complete files" in out
+    assert status == 0 and "passed: as close to HF fp32" in out
 
 
 def test_bad_input_names_the_fix(tmp_path, model, hf_bf16, capsys):
@@ -165,7 +173,7 @@ def test_bad_input_names_the_fix(tmp_path, model, hf_bf16, capsys):
     status = main(["check", folder, "--reference", "no-org/no-model", "--layer-ids", "1,3,6,8"])
     assert status == 2 and "nor a HF hub id in the local cache" in capsys.readouterr().err
     status = main(["check", folder, "--reference", model, "--layer-ids", "1,3,6,9"])
-    assert status == 2 and "go past" in capsys.readouterr().err
+    assert status == 2 and "are out of range" in capsys.readouterr().err
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text(open(os.path.join(model, "config.json")).read())

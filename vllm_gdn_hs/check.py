@@ -154,6 +154,7 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
                     f"{usual[0]} x {usual[1]} {usual[2]}"
                 )
                 out["problems"][LAYOUT] += [(p, why) for p in paths]
+    out["complete_paths"] = sorted(p for paths in paths_by_layout.values() for p in paths)
     return out
 
 
@@ -180,8 +181,10 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
     return lines
 
 
-def run_check(root: str, rows: bool, expect: int | None, list_path: str | None) -> int:
-    """0: every request is sound (and, with ``expect``, all are there); 1: problems."""
+def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, spot=None) -> int:
+    """0: every request is sound (and, with ``expect``, all are there); 1: problems. ``spot``
+    (``spot(complete_paths) -> status``, :func:`vllm_gdn_hs.spot_check.run_spot_check`)
+    then judges a sample of the complete files; the worse status is returned."""
     if not os.path.isdir(root):
         print(f"error: {root} is not a folder", file=sys.stderr)
         return 2
@@ -193,4 +196,5 @@ def run_check(root: str, rows: bool, expect: int | None, list_path: str | None) 
                 f.writelines(f"{p}\t{kind}: {detail}\n" for p, detail in found)
         print(f"problem paths, one per line: PATH<tab>KIND: DETAIL, in {list_path}")
     missing = expect is not None and out["complete"] < expect
-    return 1 if out["problems"] or missing else 0
+    status = 1 if out["problems"] or missing else 0
+    return max(status, spot(out["complete_paths"])) if spot else status

@@ -15,24 +15,10 @@ trainer stays as it is.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from vllm_gdn_hs.files import LOCK_SUFFIX, SUFFIX, hidden_states_of, lock_held
-
-
-def complete_files(root: str) -> list[str]:
-    """The folder's data files whose writer is done (no lock, or a lock nobody holds), sorted."""
-    found = []
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            if name.endswith(SUFFIX) and os.path.isfile(path) and not os.path.islink(path):
-                lock = path + LOCK_SUFFIX
-                if not os.path.exists(lock) or lock_held(lock) is False:
-                    found.append(path)
-    return sorted(found)
+from vllm_gdn_hs.files import hidden_states_of
 
 
 def sample(paths: list[str], n: int) -> list[str]:
@@ -43,11 +29,11 @@ def sample(paths: list[str], n: int) -> list[str]:
 
 
 def _read(path: str, max_tokens: int) -> dict:
-    """One file's tensors, cut to its first ``max_tokens`` tokens."""
-    from safetensors.torch import load_file
+    """One file's tensors, its first ``max_tokens`` tokens only read."""
+    from safetensors import safe_open
 
-    data = load_file(path)
-    return {k: v[:max_tokens] for k, v in data.items()}
+    with safe_open(path, "pt") as f:
+        return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}
 
 
 def model_folder(model: str) -> str | None:
@@ -64,13 +50,17 @@ def model_folder(model: str) -> str | None:
 
 def run_spot_check(
     root: str,
+    complete_paths: list[str],
     model: str,
     layer_ids: list[int],
     files: int = 8,
     max_tokens: int = 512,
     device: str = "cpu",
 ) -> int:
-    """0: the sample is within the bar; 1: a file or the pooled sample is not; 2: bad input."""
+    """A sample of ``complete_paths`` (the files ``check.scan`` found complete under ``root``)
+    against HF transformers on ``model``. 0: the sample is within the bar; 1: a file or the
+    pooled sample is not; 2: bad input."""
+    from vllm_gdn_hs.model_info import read_model_info, validate_layer_ids
     from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
 
     folder = model_folder(model)
@@ -81,17 +71,16 @@ def run_spot_check(
             file=sys.stderr,
         )
         return 2
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    num_layers = (config.get("text_config") or config).get("num_hidden_layers", 0)
-    if max(layer_ids) > num_layers:
+    try:
+        validate_layer_ids(layer_ids, read_model_info(folder).num_hidden_layers)
+    except ValueError as e:
         print(
-            f"error: --layer-ids {layer_ids} go past {model}'s {num_layers} layers; pass the "
-            "layer ids the server extracted, for the model it served",
+            f"error: --layer-ids for {model}: {e}; pass the layer ids the server extracted, "
+            "for the model it served",
             file=sys.stderr,
         )
         return 2
-    chosen = sample(complete_files(root), files)
+    chosen = sample(complete_paths, files)
     if not chosen:
         print(f"error: no complete file under {root} to check", file=sys.stderr)
         return 2
