@@ -15,7 +15,7 @@ from importlib import metadata
 
 import worker
 from host import fs_type, git_commit, nvidia_smi, versions
-from records import OURS
+from records import BASELINES, OURS
 from workloads import bytes_needed, make_workload, model_summary
 
 
@@ -77,6 +77,8 @@ def print_workloads(args: argparse.Namespace) -> None:
 
 def variant_env(variant: str) -> dict:
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
+    if variant == "plain-v1":  # vLLM's own switch; releases before Model Runner V2 ignore it
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if variant not in OURS and "VLLM_PLUGINS" not in env:
         # plain and upstream run without vLLM plugins: vLLM as shipped, and our plugin
         # refuses to load on a vLLM it does not support (0.26.0), which would stop the engine
@@ -126,7 +128,7 @@ def announce(plan: Plan, args: argparse.Namespace) -> None:
         print(f"[bench] {variant}: LLM(**{worker.engine_kwargs(spec)})", flush=True)
     if plan.problem:
         print(f"[bench] {variant}: {plan.problem}", flush=True)
-    if variant != "plain":
+    if variant not in BASELINES:
         parent = os.path.dirname(spec["out_dir"])
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)

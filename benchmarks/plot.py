@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from records import VARIANT_ORDER, ok, tok_s, workload_order
+from records import BASELINES, VARIANT_ORDER, ok, tok_s, workload_order
 from roofline import PEAK_TFLOPS, roofline_tok_s
 
 
@@ -38,7 +38,7 @@ def plot(rows: list[dict], path: str) -> None:
                 s = "hf transformers"
             else:
                 s = f"{r['variant']} (vLLM {r['versions']['vllm']}, {r['mode']})"
-            if multi_target and r["variant"] != "plain":
+            if multi_target and r["variant"] not in BASELINES:
                 s += f", {r['write_target']}"
             return s
 

@@ -19,7 +19,10 @@ TIMED_OUT = "timed_out"  # stopped by --timeout: a hang, a fault
 FAILED = "failed"
 STATUSES = (OK, SKIPPED, CUT, TIMED_OUT, FAILED)
 FAULTS = (TIMED_OUT, FAILED)
-VARIANT_ORDER = {"plain": 0, "ours": 1, "fp8": 2, "upstream": 3, "hf": 4}
+VARIANT_ORDER = {"plain": 0, "plain-v1": 1, "ours": 2, "fp8": 3, "upstream": 4, "hf": 5}
+# plain vLLM, as shipped; plain-v1 on the V1 model runner, which ours runs on (from 0.22.0,
+# where vLLM may choose Model Runner V2): the two tell the runner's share from ours
+BASELINES = ("plain", "plain-v1")
 # the variants that run this package's connector: fp8 is ours with ``fp8: true``
 OURS = ("ours", "fp8")
 

@@ -20,6 +20,7 @@ import sys
 from collections import defaultdict
 
 from records import (
+    BASELINES,
     FAULTS,
     OK,
     OURS,
@@ -64,7 +65,7 @@ def select(records: list[dict]) -> list[dict]:
             r["variant"],
             r["versions"]["vllm"],
             r["mode"],
-            "none" if r["variant"] == "plain" else r["write_target"],  # plain writes nothing
+            "none" if r["variant"] in BASELINES else r["write_target"],  # plain writes nothing
             r.get("batch_size"),
         )
         latest[key] = r
@@ -112,6 +113,9 @@ def note(r: dict) -> str:
         parts.append(f"commit {r['commit']}")
     if r.get("run"):
         parts.append(f"run {r['run']}")
+    runner = r.get("engine_config")
+    if isinstance(runner, dict) and runner.get("model_runner"):
+        parts.append(f"model runner {runner['model_runner'].upper()}")
     st = status(r)
     if st != OK:  # skipped, or cut off by the --budget, is time, not a fault: no "failed"
         text = (status_note(r) or st)[:240]
@@ -161,7 +165,7 @@ def row(r: dict, records: list[dict]) -> str:
         r["variant"],
         f"none (transformers {r['versions']['transformers']})" if hf else r["versions"]["vllm"],
         r["mode"],
-        "none" if r["variant"] == "plain" else f"{r['write_target']} ({r.get('out_fs')})",
+        "none" if r["variant"] in BASELINES else f"{r['write_target']} ({r.get('out_fs')})",
     ]
     if ok(r):
         plain = plain_for(r, records)
@@ -170,7 +174,7 @@ def row(r: dict, records: list[dict]) -> str:
         peak = r.get("peak_gpu_mib")
         cells += [
             fmt(tok_s(r)),
-            fmt(tok_s(r) / tok_s(plain), ".2f") if plain else "n/a",
+            fmt(tok_s(r) / tok_s(plain), ".3f") if plain else "n/a",
             fmt(100 * roofline_frac(r), ".0f") + "%",
             fmt(r["num_requests"] / r["gen_s"], ",.1f"),
             fmt(ready, ".2f"),
@@ -284,7 +288,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
                     r["mode"],
                     f"{r['write_target']} ({r.get('out_fs')})",
                     fmt(tok_s(r)),
-                    f"{tok_s(r) / tok_s(plain):.2f} ({fmt(tok_s(plain))})" if plain else "n/a",
+                    f"{tok_s(r) / tok_s(plain):.3f} ({fmt(tok_s(plain))})" if plain else "n/a",
                     f"{tok_s(r) / hf:.2f}" if hf else "n/a",
                     kv,
                     fmt(files_ready_s(r), ".2f"),

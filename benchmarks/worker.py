@@ -92,6 +92,8 @@ def engine_config(llm) -> dict | str:
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
             block_size=c.cache_config.block_size,
             prefix_caching=c.cache_config.enable_prefix_caching,
+            # from 0.22.0 vLLM may choose Model Runner V2; ours keeps the V1 runner
+            model_runner="v2" if getattr(c, "use_v2_model_runner", False) else "v1",
         )
     except Exception as e:
         return repr(e)

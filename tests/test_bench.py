@@ -3,7 +3,8 @@
 
 Run: python -m pytest tests/test_bench.py -q
 Covers: the writer's progress and shutdown lines, as the worker side logs them through
-vLLM's logger, are found in an engine log and stored in the record (writer_log).
+vLLM's logger, are found in an engine log and stored in the record (writer_log); plain-v1 is
+plain vLLM on the V1 model runner.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import sys
 import time
 
+import pytest
 import torch
 
 from vllm_gdn_hs.config import HiddenStatesConfig
@@ -145,3 +147,56 @@ def test_a_variant_without_records_gets_a_status():
     )
     assert why() == (records.TIMED_OUT, "timed out after 540 s (--timeout)")
     assert why(rc=1) == (records.FAILED, "worker exited with status 1")
+
+
+def test_plain_v1_is_plain_vllm_on_the_v1_model_runner(tmp_path, monkeypatch):
+    """plain-v1 runs plain vLLM (no connector, no plugins) with vLLM's own switch to the V1
+    model runner, which ours runs on: the two baselines tell the runner's share from ours."""
+    import plan
+    import report
+    import worker
+
+    args = bench.parse_args(["--shape", "tiny", "--variants", "plain,plain-v1", "--eager"])
+    d = str(tmp_path)
+    plans = {v: plan.make_plan(args, v, d, d, "bench.py") for v in args.variants}
+    assert worker.engine_kwargs(plans["plain-v1"].spec) == worker.engine_kwargs(plans["plain"].spec)
+    assert plans["plain-v1"].env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in plans["plain"].env
+    assert plans["plain-v1"].env["VLLM_PLUGINS"] == "" and plans["plain-v1"].problem is None
+    import vllm.envs as envs
+
+    if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER"):
+        pytest.skip("this vLLM has no Model Runner V2: plain-v1 is plain")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert envs.VLLM_USE_V2_MODEL_RUNNER is False  # as vLLM reads it: V1, whatever it would pick
+    # In a table plain-v1 writes nothing and divides by plain of its run; its runner is named.
+    base = dict(
+        gpu="H200", shape="27b", layers=[1], workload="128x1024", mode="cudagraph",
+        versions={"vllm": "0.33.0", "transformers": "5.17.0"}, write_target="tmpfs",
+        date="2026-12-02", run="run29", status="ok", num_requests=128, prompt_tokens=131072,
+        processed_tokens=131072, output_tokens=128, model={}
+    )  # fmt: skip
+    rs = [
+        dict(base, variant="plain", gen_s=10.0, engine_config=dict(model_runner="v2")),
+        dict(base, variant="plain-v1", gen_s=10.1, engine_config=dict(model_runner="v1")),
+    ]
+    assert report.plain_for(rs[1], rs) is rs[0]
+    assert report.select(rs) == rs
+    assert report.note(rs[1]) == "run run29; model runner V1"
+
+
+def test_pyspy_summary_counts_threads_stages_and_leaves():
+    import pyspy_summary
+
+    raw = [
+        "thread (1): MainThread;run_engine_core (core.py:1);step_with_batch_queue (core.py:2);"
+        "execute_model (gpu_model_runner.py:3);forward (qwen.py:4);fused_add_rms_norm (ln.py:5) 6",
+        "thread (1): MainThread;step_with_batch_queue (core.py:2);sample_tokens (x.py:6) 3",
+        "thread (9): Thread-2 (_drain_loop);_drain_loop (worker.py:7);_on_rows (worker.py:8) 1",
+        "not a stack line",
+    ]
+    s = pyspy_summary.summarize(raw)
+    assert s["total"] == 10 and s["threads"]["thread (1): MainThread"] == 9
+    assert s["stages"]["execute_model"] == 6 and s["stages"]["sample_tokens"] == 3
+    assert s["stages"]["_on_rows"] == 1 and s["leaves"]["fused_add_rms_norm"] == 6
+    assert "60.0%  execute_model" in pyspy_summary.render(s)
