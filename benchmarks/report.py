@@ -113,9 +113,9 @@ def note(r: dict) -> str:
         parts.append(f"commit {r['commit']}")
     if r.get("run"):
         parts.append(f"run {r['run']}")
-    runner = r.get("engine_config")
-    if isinstance(runner, dict) and runner.get("model_runner"):
-        parts.append(f"model runner {runner['model_runner'].upper()}")
+    engine = r.get("engine_config")  # a dict, or the repr of the error that stopped reading it
+    if isinstance(engine, dict) and engine.get("model_runner"):
+        parts.append(f"model runner {engine['model_runner'].upper()}")
     st = status(r)
     if st != OK:  # skipped, or cut off by the --budget, is time, not a fault: no "failed"
         text = (status_note(r) or st)[:240]
