@@ -116,6 +116,8 @@ def note(r: dict) -> str:
     engine = r.get("engine_config")  # a dict, or the repr of the error that stopped reading it
     if isinstance(engine, dict) and engine.get("model_runner"):
         parts.append(f"model runner {engine['model_runner'].upper()}")
+    if r.get("profiler"):  # measured with a profiler attached: read its figure with that
+        parts.append(f"profiled ({r['profiler']})")
     st = status(r)
     if st != OK:  # skipped, or cut off by the --budget, is time, not a fault: no "failed"
         text = (status_note(r) or st)[:240]

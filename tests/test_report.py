@@ -65,6 +65,13 @@ def test_versions_are_paired_and_cut_runs_are_not_faults(records):
     assert "failed: timed out" in report.note(hang)
 
 
+def test_a_profiled_record_says_so(records):
+    # Run 31's ours ran with py-spy attached: its row says so; plain of that run does not.
+    run31 = {r["variant"]: r for r in records if r.get("run") == "run31"}
+    assert "profiled (py-spy" in report.note(run31["ours"])
+    assert "profiled" not in report.note(run31["plain"])
+
+
 def test_generated_files_are_current(records):
     rows = report.select(records)
     with open(os.path.join(REPO, "benchmarks", "README.md")) as f:
