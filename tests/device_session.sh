@@ -14,7 +14,8 @@ start)
     [ -f "${2:-}" ] || { echo "usage: $0 start COMMANDS.sh"; exit 2; }
     mkdir -p "$SESSION"
     rm -f "$SESSION/DONE"
-    (SESSION=$SESSION setsid nohup bash -c "bash '$2'; echo \$? > '$SESSION/DONE'" \
+    # the paths travel as arguments, not inside the -c text: any name works
+    (SESSION=$SESSION setsid nohup bash -c 'bash "$1"; echo $? >"$2/DONE"' _ "$2" "$SESSION" \
         >"$SESSION/out.log" 2>&1 </dev/null &)
     echo "started $2 at $(date -u +%T); output in $SESSION/out.log"
     ;;
