@@ -19,12 +19,15 @@ TIMED_OUT = "timed_out"  # stopped by --timeout: a hang, a fault
 FAILED = "failed"
 STATUSES = (OK, SKIPPED, CUT, TIMED_OUT, FAILED)
 FAULTS = (TIMED_OUT, FAILED)
-VARIANT_ORDER = {"plain": 0, "plain-v1": 1, "ours": 2, "fp8": 3, "upstream": 4, "hf": 5}
-# plain vLLM, as shipped; plain-v1 on the V1 model runner, which ours runs on (from 0.22.0,
-# where vLLM may choose Model Runner V2): the two tell the runner's share from ours
+VARIANT_ORDER = {
+    v: i for i, v in enumerate(("plain", "plain-v1", "ours", "ours-v1", "fp8", "upstream", "hf"))
+}
+# plain vLLM, as shipped; plain-v1 on the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, from
+# 0.22.0, where vLLM may choose Model Runner V2), which ours runs on before 0.33.0 and
+# ours-v1 on 0.33.0: the pairs tell the runner's share from ours
 BASELINES = ("plain", "plain-v1")
 # the variants that run this package's connector: fp8 is ours with ``fp8: true``
-OURS = ("ours", "fp8")
+OURS = ("ours", "ours-v1", "fp8")
 
 
 def status_note(r: dict) -> str:

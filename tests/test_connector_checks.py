@@ -20,8 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector
-from vllm_gdn_hs.connector.checks import config_from
-from vllm_gdn_hs.version import requirement
+from vllm_gdn_hs.connector.checks import config_from, validate_vllm_config
+from vllm_gdn_hs.version import requirement, runs_model_runner_v2
 
 
 def make(cfg, role=KVConnectorRole.SCHEDULER):
@@ -178,11 +178,12 @@ def test_extra_config_defaults(hybrid_model):
     assert config_from(cfg) == HiddenStatesConfig(shared_storage_path="/tmp/hidden_states")
 
 
-# vLLM 0.26.0 chooses the model runner in VllmConfig, and refuses V2 for our connector itself.
+# vLLM 0.26.0 chooses the model runner in VllmConfig; before 0.33.0 the plugin keeps V1.
 VLLM_CHOOSES_RUNNER = hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features")
 
 
-def test_v2_model_runner(hybrid_model, tmp_path, monkeypatch):
+@pytest.mark.skipif(runs_model_runner_v2(), reason="extraction runs on V2 on this release")
+def test_v2_model_runner_is_refused_before_0_33(hybrid_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     msg = config_error(hybrid_model, storage=str(tmp_path))
     if VLLM_CHOOSES_RUNNER:
@@ -192,14 +193,45 @@ def test_v2_model_runner(hybrid_model, tmp_path, monkeypatch):
 
 
 @pytest.mark.smoke
-@pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="vLLM 0.20.1 runs V1 unless told")
+@pytest.mark.skipif(
+    not VLLM_CHOOSES_RUNNER or runs_model_runner_v2(),
+    reason="vLLM 0.20.1 runs V1 unless told; from 0.33.0 extraction runs on V2",
+)
 def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
-    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); the runner
-    patch reaches only V1, so with our connector vLLM must keep V1."""
+    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); before
+    0.33.0 the plugin patches only V1, so with our connector vLLM must keep V1."""
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     ours = harness.engine_config(dense_model, storage=str(tmp_path))
     assert ours.use_v2_model_runner is False
     assert "HybridHiddenStatesConnector" in ours._get_v2_model_runner_unsupported_features()
+
+
+@pytest.mark.smoke
+@pytest.mark.skipif(not runs_model_runner_v2(), reason="the V1 runner before 0.33.0")
+@pytest.mark.parametrize("env, v2", [(None, None), ("1", True), ("0", False)])
+def test_vllm_chooses_the_runner_from_0_33(hybrid_model, tmp_path, monkeypatch, env, v2):
+    """From 0.33.0 both runners are patched: vLLM's own choice stands (V2 by default, V1
+    with VLLM_USE_V2_MODEL_RUNNER=0), and our connector is not among V2's unsupported
+    features."""
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    ours = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    plain = harness.engine_config(hybrid_model, connector=None, layer_ids=None)
+    assert "HybridHiddenStatesConnector" not in ours._get_v2_model_runner_unsupported_features()
+    assert ours.use_v2_model_runner is plain.use_v2_model_runner  # (no Triton on CPU: V1)
+    if v2 is not None:
+        assert ours.use_v2_model_runner is v2
+
+
+def test_prefill_context_parallelism_is_refused(hybrid_model, tmp_path):
+    cfg = harness.engine_config(hybrid_model, storage=str(tmp_path))
+    if not hasattr(cfg.parallel_config, "prefill_context_parallel_size"):
+        pytest.skip("this vLLM has no prefill context parallelism")
+    cfg.parallel_config.prefill_context_parallel_size = 2
+    with pytest.raises(ValueError, match="--prefill-context-parallel-size at 1"):
+        validate_vllm_config(cfg)
 
 
 def test_fp8_without_hs_connectors(hybrid_model, tmp_path, monkeypatch):

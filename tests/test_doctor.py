@@ -15,7 +15,7 @@ import torch
 
 from vllm_gdn_hs import doctor
 from vllm_gdn_hs.doctor import _compress, checks
-from vllm_gdn_hs.version import describe_releases, installed_vllm
+from vllm_gdn_hs.version import describe_releases, installed_vllm, runs_model_runner_v2
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
@@ -40,7 +40,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
     assert installed_vllm().base_version in lines["vllm"] and lines["vllm"].startswith("ok")
-    assert "V1 (" in lines["model runner"]
+    assert ("V2 (" if runs_model_runner_v2() else "V1 (") in lines["model runner"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]

@@ -78,9 +78,9 @@ def test_series_lists_every_patch_once_in_order(release):
 def test_series_is_one_twin_per_runtime_patch_in_order(release):
     # patch_worker_gpu_model_runner -> a patch naming worker, gpu, model and runner,
     # whose Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py.
-    from vllm_gdn_hs.patch import PATCHES as RUNTIME_PATCHES
+    from vllm_gdn_hs.patch import patches_for
 
-    series, modules = _series(release), RUNTIME_PATCHES
+    series, modules = _series(release), patches_for(release)
     assert len(series) == len(modules), (series, modules)
     for index, (name, module) in enumerate(zip(series, modules, strict=True), start=1):
         assert name.startswith(f"{index:04d}-"), name

@@ -27,6 +27,7 @@ from vllm_gdn_hs.version import (
     check_vllm,
     describe_releases,
     installed_vllm,
+    runs_model_runner_v2,
     supported_releases,
     supported_vllm,
 )
@@ -97,7 +98,7 @@ def test_register_is_idempotent():
     assert KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME] is loader
 
 
-@pytest.mark.parametrize("name", patch.PATCHES)
+@pytest.mark.parametrize("name", patch.patches_for())
 def test_applied_patch_refuses_second_apply(name):
     import importlib
 
@@ -155,7 +156,8 @@ def test_supported_vllm_is_the_pyproject_pin():
 def test_installed_vllm_is_supported():
     installed = installed_vllm()
     assert check_vllm() == installed and installed.base_version in supported_releases()
-    assert patch.patches_for() == patch.PATCHES
+    v2 = (patch.MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2() else ()
+    assert patch.patches_for() == patch.PATCHES + v2
     # A local build of a supported release is the same release.
     assert check_vllm(Version("0.20.1+cu130")) == Version("0.20.1+cu130")
     assert check_vllm(Version("0.26.0")) == Version("0.26.0")
@@ -267,9 +269,17 @@ def test_unsupported_vllm_has_no_patches():
     assert patch.patches_for("0.19.0") == ()
 
 
+def test_model_runner_v2_is_patched_from_its_release():
+    from vllm_gdn_hs.version import MODEL_RUNNER_V2_FROM
+
+    before = RELEASES[RELEASES.index(MODEL_RUNNER_V2_FROM) - 1]
+    assert patch.patches_for(before) == patch.PATCHES
+    assert patch.patches_for(MODEL_RUNNER_V2_FROM) == (*patch.PATCHES, patch.MODEL_RUNNER_V2_PATCH)
+
+
 def test_every_patch_module_has_a_test_module():
     tests = os.path.dirname(os.path.abspath(__file__))
-    for name in patch.PATCHES:
+    for name in (*patch.PATCHES, patch.MODEL_RUNNER_V2_PATCH):
         assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), name
 
 
@@ -284,14 +294,20 @@ def _series_folder(release: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "release, name", [(r, n) for r in supported_releases() for n in patch.PATCHES]
+    "release, name", [(r, n) for r in supported_releases() for n in patch.patches_for(r)]
 )
 def test_every_runtime_patch_has_a_source_twin(release, name):
-    # patch_worker_gpu_model_runner -> a file naming worker, gpu, model and runner
+    # patch_worker_gpu_model_runner -> the one file naming worker, gpu, model and runner
+    # whose DEP-3 Origin names vllm_gdn_hs/patch/patch_worker_gpu_model_runner.py
     series = _series_folder(release)
     words = name.removeprefix("patch_").split("_")
     files = [f for f in os.listdir(series) if f.endswith(".patch")]
-    twins = [f for f in files if all(w in f.lower() for w in words)]
+    origin = f"vllm_gdn_hs/patch/{name}.py)"
+    twins = [
+        f
+        for f in files
+        if all(w in f.lower() for w in words) and origin in open(os.path.join(series, f)).read()
+    ]
     assert len(twins) == 1, f"{name}: no single twin in {series} among {files}"
 
 

@@ -85,6 +85,10 @@ def model_runner() -> str:
     """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
     from vllm.config import VllmConfig
 
+    from vllm_gdn_hs.version import runs_model_runner_v2
+
+    if runs_model_runner_v2():
+        return "V2 (vLLM's default; the V1 runner with VLLM_USE_V2_MODEL_RUNNER=0)"
     if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):
         return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
     return "V1 (vLLM's only runner by default on this release)"

@@ -28,6 +28,10 @@ REFUSED: dict[str, str] = {}
 # The releases .ci/run runs the whole CPU suite on: the first, the last on torch 2.11, and
 # the newest; tests/matrix.sh runs the smoke set on every release.
 CI_RELEASES = ("0.20.1", "0.26.0", "0.33.0")
+# The first release on which extraction runs on Model Runner V2, vLLM's default runner there
+# (hybrid models included). Before it the plugin keeps the V1 runner: vLLM chose V2 for dense
+# models only, and V2 with this connector is tested on the GPU from this release on.
+MODEL_RUNNER_V2_FROM = "0.33.0"
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -55,6 +59,14 @@ def installed_vllm() -> Version | None:
         return Version(metadata.version("vllm"))
     except metadata.PackageNotFoundError:
         return None
+
+
+def runs_model_runner_v2(version: str | None = None) -> bool:
+    """Whether extraction may run on Model Runner V2 on this release (default: installed)."""
+    if version is None:
+        installed = installed_vllm()
+        version = installed.base_version if installed is not None else "0"
+    return Version(version) >= Version(MODEL_RUNNER_V2_FROM)
 
 
 def supported_releases() -> list[str]:

@@ -54,6 +54,11 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             "parallelism (--tensor-parallel-size / --data-parallel-size) instead of "
             "--pipeline-parallel-size"
         )
+    if getattr(vllm_config.parallel_config, "prefill_context_parallel_size", 1) > 1:
+        raise ValueError(
+            f"{CONNECTOR_NAME} does not support prefill context parallelism (each rank would "
+            "hold part of a prompt's hidden states): leave --prefill-context-parallel-size at 1"
+        )
     from vllm_gdn_hs.model_info import validate_layer_ids
 
     try:
@@ -62,9 +67,13 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     import vllm.envs as envs
 
-    # vLLM 0.26.0 decides the runner in VllmConfig (the runner patch keeps it on V1);
-    # vLLM 0.20.1 only by the environment variable.
-    if getattr(vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER):
+    from vllm_gdn_hs.version import runs_model_runner_v2
+
+    # Before 0.33.0 only the V1 runner is patched: vLLM 0.26.0 decides the runner in
+    # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable.
+    if not runs_model_runner_v2() and getattr(
+        vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER
+    ):
         raise ValueError(
             f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner: unset "
             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)"

@@ -10,16 +10,18 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from vllm_gdn_hs.version import RELEASES, installed_vllm
+from vllm_gdn_hs.version import RELEASES, installed_vllm, runs_model_runner_v2
 
 # The patch modules, in the order they apply; the same on every supported release (the few
-# differences between releases are feature probes inside each module).
+# differences between releases are feature probes inside each module), plus Model Runner
+# V2's from the release where extraction runs on it (version.MODEL_RUNNER_V2_FROM).
 PATCHES: tuple[str, ...] = (
     "patch_config_vllm",
     "patch_config_kv_transfer",
     "patch_engine_arg_utils",
     "patch_worker_gpu_model_runner",
 )
+MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 
 
 def patches_for(version: str | None = None) -> tuple[str, ...]:
@@ -27,7 +29,9 @@ def patches_for(version: str | None = None) -> tuple[str, ...]:
     if version is None:
         v = installed_vllm()
         version = v.base_version if v is not None else ""
-    return PATCHES if version in RELEASES else ()
+    if version not in RELEASES:
+        return ()
+    return PATCHES + ((MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2(version) else ())
 
 
 @dataclass

@@ -25,10 +25,12 @@ the original, the connector's startup checks run (layer ids, prefix caching,
 pipeline parallelism), so a bad configuration fails before any model loads.
 
 vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
-so there the HMA part is left out. It also picks Model Runner V2 by default for dense
-models, whose forward pass the runner patch does not reach: there the patch adds this
-connector to ``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM keeps the
-V1 runner and says why (and refuses ``VLLM_USE_V2_MODEL_RUNNER=1`` in its own words).
+so there the HMA part is left out. From 0.22.0 vLLM may pick Model Runner V2 (0.26.0: for
+dense models by default). Before ``version.MODEL_RUNNER_V2_FROM`` (0.33.0) the plugin keeps
+the V1 runner: the patch adds this connector to
+``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM says why (and refuses
+``VLLM_USE_V2_MODEL_RUNNER=1`` in its own words). From 0.33.0 vLLM's choice stands: V2 by
+default, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches.
 
 Upstream: a first-class "extract hidden states without speculation" mode does not exist
 (0.26.0). Remove when it does. Source twins: ``patches/<vllm version>/0001-*.patch``.
@@ -41,12 +43,14 @@ from vllm.config import VllmConfig
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
+from vllm_gdn_hs.version import runs_model_runner_v2
 
 logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
 # vLLM 0.26.0 and later: HMA per connector, and Model Runner V2 as a default.
 _orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+_keeps_v1_runner = _orig_v2_unsupported is not None and not runs_model_runner_v2()
 
 
 def _vllm_decides_hma_per_connector() -> bool:
@@ -127,7 +131,7 @@ PATCH = Patch(
     {"__post_init__": __post_init__}
     | (
         {"_get_v2_model_runner_unsupported_features": _get_v2_model_runner_unsupported_features}
-        if _orig_v2_unsupported is not None
+        if _keeps_v1_runner
         else {}
     ),
 )

@@ -132,11 +132,23 @@ def _model_forward(
 
 def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor) -> None:
     """Hand this step's rows (scheduled tokens only, no padding) to the connector."""
+    num_reqs = self.input_batch.num_reqs
+    hand_over(
+        self,
+        aux_hidden_states,
+        req_ids=list(self.input_batch.req_ids[:num_reqs]),
+        query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1].clone(),
+        positions=positions[0] if positions.dim() == 2 else positions,  # M-RoPE: [3, tokens]
+    )
+
+
+def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
+    """Stack the aux states of the scheduled tokens, layers in the configured order, into a
+    fresh tensor and give it, with a copy of their positions, to the connector (either
+    runner: ``self`` keeps ``hidden_states_order`` and, after the first step, the connector)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    num_reqs = self.input_batch.num_reqs
-    query_start_loc = self.query_start_loc.cpu[: num_reqs + 1].clone()
-    num_tokens = int(query_start_loc[-1])
+    num_tokens = int(query_start_loc_cpu[-1])
     if num_tokens == 0:
         return
     connector = getattr(self, "hidden_states_connector", None)
@@ -144,12 +156,10 @@ def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tens
         connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
     rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
-    if positions.dim() == 2:  # M-RoPE: [3, tokens]; text positions are the first row
-        positions = positions[0]
     connector.save_hidden_states(
         hidden_states=rows,
-        req_ids=list(self.input_batch.req_ids[:num_reqs]),
-        query_start_loc_cpu=query_start_loc,
+        req_ids=req_ids,
+        query_start_loc_cpu=query_start_loc_cpu,
         positions=positions[:num_tokens].clone(),
     )
 

@@ -1,0 +1,214 @@
+"""vllm_gdn_hs.patch.patch_worker_gpu_model_runner_v2: Model Runner V2 streams aux hidden
+states; CPU only.
+
+Run: python -m pytest tests/test_patch_worker_gpu_model_runner_v2.py -q   (no GPU, no network)
+Covers (on releases where extraction runs on V2, version.MODEL_RUNNER_V2_FROM): the patch
+replaces V2's methods; ``load_model`` gives the connector's layers to the model and refuses a
+model without aux hidden states; ``profile_run`` allocates the largest step's hand-over; the
+patched ``execute_model``, between the steps of vLLM's own V2 ``ActiveKVConnector``
+(``pre_forward`` ... ``post_forward``, the order ``sample_tokens`` keeps), hands the real
+worker-side connector each forward pass's rows from vLLM's own V2 ``InputBatch`` (scheduled
+tokens only, configured layer order) and the files hold exactly those rows; dummy runs and
+steps without a forward pass hand over nothing; other connectors are untouched.
+Edges replaced: the runner's construction (a CUDA device) and the forward pass on the GPU,
+which here leaves the aux states in ``execute_model_state`` as V2's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from unittest import mock
+
+import harness
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from vllm.config import set_current_vllm_config
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.model_executor.models.interfaces import SupportsEagle3
+
+from vllm_gdn_hs.version import runs_model_runner_v2
+
+pytestmark = pytest.mark.skipif(
+    not runs_model_runner_v2(), reason="extraction runs on the V1 runner on this release"
+)
+if runs_model_runner_v2():
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+    from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
+
+    from vllm_gdn_hs.connector import (
+        FinishedRequest,
+        HybridHiddenStatesConnector,
+        HybridHiddenStatesConnectorMetadata,
+        NewRequest,
+    )
+    from vllm_gdn_hs.patch import patch_worker_gpu_model_runner_v2 as patch_mod
+
+
+def test_patch_replaces_runner_methods():
+    for name, fn in patch_mod.PATCH.attrs.items():
+        assert getattr(GPUModelRunner, name) is fn
+
+
+class _Model(SupportsEagle3):
+    """The model at the edge (vLLM's models subclass SupportsEagle3 the same way): records
+    the aux layers it is asked for."""
+
+    def set_aux_hidden_state_layers(self, layers):
+        self.aux_layers = layers
+
+
+def test_load_model_gives_the_connectors_layers_to_the_model():
+    runner = object.__new__(GPUModelRunner)
+
+    def load(self, *args, **kwargs):  # the edge: loading weights onto the GPU
+        self.model = model
+
+    with mock.patch.object(patch_mod, "_orig_load_model", load):
+        model = _Model()
+        runner.hidden_states_layer_ids = [8, 1, 4]
+        GPUModelRunner.load_model(runner)
+        assert model.aux_layers == (8, 1, 4)
+        model = _Model()
+        runner.hidden_states_layer_ids = None  # another connector, or none: vLLM's own way
+        GPUModelRunner.load_model(runner)
+        assert not hasattr(model, "aux_layers")
+        model = object()
+        runner.hidden_states_layer_ids = [1]
+        with pytest.raises(ValueError, match="SupportsEagle3"):
+            GPUModelRunner.load_model(runner)
+
+
+def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
+    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4))
+    runner = object.__new__(GPUModelRunner)
+    runner.vllm_config, runner.model_config = cfg, cfg.model_config
+    runner.max_num_tokens, runner.device = 64, torch.device("cpu")
+    handed = []
+    spy = lambda vllm_config, rows: handed.append(tuple(rows.shape))  # noqa: E731
+    with (
+        mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None),
+        mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy),
+    ):
+        runner.hidden_states_layer_ids = [8, 1, 4]
+        GPUModelRunner.profile_run(runner, randomize_inputs=False)
+        runner.hidden_states_layer_ids = None
+        GPUModelRunner.profile_run(runner)
+    assert handed == [(64, 3, cfg.model_config.get_hidden_size())]
+
+
+def _input_batch(sched, positions, pad):
+    """vLLM's own V2 InputBatch for a schedule [(req_id, start, count)] in batch order."""
+    num_tokens = sum(n for _, _, n in sched)
+    buffers = InputBuffers(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"))
+    batch = InputBatch.make_dummy(len(sched), num_tokens + pad, buffers)
+    qsl = np.array([0, *np.cumsum([n for _, _, n in sched])], dtype=np.int32)
+    batch.positions[:] = positions
+    return dataclasses.replace(
+        batch, req_ids=[r for r, _, _ in sched], num_tokens=num_tokens, query_start_loc_np=qsl
+    )
+
+
+@pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface
+def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
+    layer_ids = (8, 1, 4)  # configured order; the model hands aux states in ascending order
+    cfg = harness.engine_config(hybrid_model, layer_ids=layer_ids, storage=str(tmp_path))
+    harness._init_dist(cfg)
+    hidden = cfg.model_config.get_hidden_size()
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9]}
+    path = {r: os.path.join(tmp_path, f"{r}.safetensors") for r in prompts}
+    g = torch.Generator().manual_seed(0)
+    full = {r: torch.randn(len(t), 3, hidden, generator=g).bfloat16() for r, t in prompts.items()}
+    forwards = []
+
+    def forward(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kw):
+        """The edge: V2's forward pass on the GPU, which leaves its state for sample_tokens
+        (or, without scheduled tokens, returns the no-forward output)."""
+        forwards.append(dummy_run)
+        if not scheduler_output.total_num_scheduled_tokens and not dummy_run:
+            return "no forward"
+        self.execute_model_state = ExecuteModelState(
+            self.next_batch,
+            None,
+            None,
+            self.next_aux[-1],
+            self.next_aux,
+            None,
+            set(),
+            None,
+            None,
+            0,
+        )
+        return None
+
+    with set_current_vllm_config(cfg), mock.patch.object(patch_mod, "_orig_execute_model", forward):
+        conn = HybridHiddenStatesConnector(cfg, KVConnectorRole.WORKER)
+        saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
+        try:
+            v2_connector = ActiveKVConnector(cfg, {})  # vLLM's own, around the runner
+            runner = object.__new__(GPUModelRunner)
+            runner.hidden_states_layer_ids = list(layer_ids)
+            runner.hidden_states_order = patch_mod.layer_order(layer_ids)
+
+            def step(meta, sched, pad=3, dummy_run=False):
+                rows = torch.cat(
+                    [full[r][s : s + n] for r, s, n in sched]
+                    + [torch.full((pad, 3, hidden), float("nan")).bfloat16()]
+                )
+                pos = torch.cat([torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad)])
+                runner.next_batch = _input_batch(sched, pos.long(), pad)
+                runner.next_aux = [rows[:, k] for k in range(3)]
+                so = harness.scheduler_output(meta, {r: n for r, _, n in sched})
+                if dummy_run:  # vLLM disables the connector around dummy runs
+                    assert GPUModelRunner.execute_model(runner, so, dummy_run=True) is None
+                    return
+                v2_connector.pre_forward(so, runner.next_batch)
+                assert GPUModelRunner.execute_model(runner, so, None) is None
+                v2_connector.finish_forward()
+                v2_connector.post_forward(so.finished_req_ids)  # in sample_tokens
+
+            new = [NewRequest(r, path[r], len(t)) for r, t in prompts.items()]
+            step(HybridHiddenStatesConnectorMetadata(new_requests=new), [("a", 0, 3), ("b", 0, 4)])
+            with mock.patch.object(conn, "save_hidden_states", side_effect=AssertionError):
+                # A dummy run (profiling, capture, an idle DP rank) hands over nothing...
+                step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], dummy_run=True)
+                # ...nor does a step without scheduled tokens (V2's no_forward path).
+                empty = harness.scheduler_output(HybridHiddenStatesConnectorMetadata())
+                assert GPUModelRunner.execute_model(runner, empty) == "no forward"
+            step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], pad=0)
+            done = HybridHiddenStatesConnectorMetadata(finished_requests=fin(prompts))
+            v2_connector.no_forward(harness.scheduler_output(done, finished_req_ids=prompts))
+            conn.shutdown()
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+    assert forwards == [False, True, False, False]
+
+    for r, tokens in prompts.items():
+        got = load_file(path[r])
+        # File layers in the configured order [8, 1, 4] = ascending indices [2, 0, 1];
+        # the NaN padding rows never reach a file.
+        assert torch.equal(got["hidden_states"], full[r][:, [2, 0, 1]])
+        assert got["token_ids"].tolist() == tokens
+
+
+def fin(prompts):
+    return [FinishedRequest(r, t) for r, t in prompts.items()]
+
+
+def test_other_connectors_are_untouched():
+    runner = object.__new__(GPUModelRunner)
+    runner.hidden_states_layer_ids = None
+    calls = []
+
+    def forward(self, scheduler_output, *args, **kwargs):
+        calls.append(kwargs)
+        return None
+
+    with mock.patch.object(patch_mod, "_orig_execute_model", forward):
+        so = harness.scheduler_output(None, {"a": 3})
+        assert GPUModelRunner.execute_model(runner, so, None) is None
+    assert calls == [{}] and not hasattr(runner, "hidden_states_connector")

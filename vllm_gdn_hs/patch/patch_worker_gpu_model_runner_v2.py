@@ -1,0 +1,117 @@
+"""Hand the aux hidden states to the connector after every forward pass: Model Runner V2.
+
+Why: from vLLM 0.33.0 Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) is vLLM's
+default runner, hybrid models included. It already returns the model's aux hidden states
+when speculative decoding asks for them, but only to a drafter. The config patch drops the
+``extract_hidden_states`` speculative config, so this runner must itself ask the model for
+the chosen layers and give them to the connector, as ``patch_worker_gpu_model_runner`` does
+for the V1 runner (which vLLM still runs with ``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+How, only when the connector is configured:
+- ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps
+  output buffers for them); nothing allocated;
+- ``load_model``: after the original, the model returns the connector's layers
+  (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter);
+- ``profile_run``: after the original, the largest step's hand-over is allocated once, so
+  that the KV cache is sized with it (:func:`profile_step`, shared with the V1 runner);
+- ``execute_model``: after the original, when it ran a real forward pass (not a dummy run
+  of profiling, capture or an idle data-parallel rank, and a step with tokens), the aux
+  states of the scheduled tokens in ``execute_model_state`` are handed to the connector
+  with the batch's request ids, query start locations and positions (:func:`hand_over`).
+  That is before ``sample_tokens``, whose ``post_forward`` calls the connector's
+  ``wait_for_save`` and asks which files are done, the order the V1 runner keeps.
+
+V2 keeps prefill chunks out of FULL decode CUDA graphs itself (a batch is decode-graph
+eligible only without prefills), so the V1 runner's dispatch guard has no twin here.
+
+Upstream: no equivalent; ``patches/upstream/`` proposes the same hand-over through V2's
+``KVConnector`` interface. Source twin: ``patches/<vllm version>/0005-*.patch``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+from vllm_gdn_hs.patch import Patch
+from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import (
+    extraction_layer_ids,
+    hand_over,
+    layer_order,
+    profile_step,
+)
+
+_orig_init = GPUModelRunner.__init__
+_orig_load_model = GPUModelRunner.load_model
+_orig_profile_run = GPUModelRunner.profile_run
+_orig_execute_model = GPUModelRunner.execute_model
+_EXECUTE_MODEL_ARGS = inspect.signature(_orig_execute_model)
+
+
+def __init__(self, vllm_config, device) -> None:
+    _orig_init(self, vllm_config, device)
+    ids = extraction_layer_ids(vllm_config)
+    self.hidden_states_layer_ids = ids
+    if ids:
+        self.use_aux_hidden_state_outputs = True
+        self.hidden_states_order = layer_order(ids)
+
+
+def load_model(self, *args, **kwargs) -> None:
+    _orig_load_model(self, *args, **kwargs)
+    if getattr(self, "hidden_states_layer_ids", None):
+        from vllm.model_executor.models.interfaces import supports_eagle3
+
+        if not supports_eagle3(self.model):
+            raise ValueError(
+                f"{type(self.model).__name__} cannot return aux hidden states (it does not "
+                "implement vLLM's SupportsEagle3), so its hidden states cannot be extracted"
+            )
+        self.model.set_aux_hidden_state_layers(tuple(self.hidden_states_layer_ids))
+
+
+def profile_run(self, *args, **kwargs) -> None:
+    _orig_profile_run(self, *args, **kwargs)
+    if getattr(self, "hidden_states_layer_ids", None):
+        profile_step(self)
+
+
+def execute_model(self, scheduler_output, *args, **kwargs):
+    output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
+    if (
+        getattr(self, "hidden_states_layer_ids", None)
+        and output is None  # a forward pass ran; its state waits for sample_tokens
+        and scheduler_output.total_num_scheduled_tokens > 0
+        and not _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
+            "dummy_run", False
+        )
+    ):
+        save_step(self, self.execute_model_state)
+    return output
+
+
+def save_step(self, state) -> None:
+    """Hand one forward pass's rows (scheduled tokens only, no padding) to the connector."""
+    batch = state.input_batch
+    num_reqs = batch.num_reqs
+    with torch.inference_mode():
+        hand_over(
+            self,
+            state.aux_hidden_states,
+            req_ids=list(batch.req_ids[:num_reqs]),
+            query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np[: num_reqs + 1].copy()),
+            positions=batch.positions,
+        )
+
+
+PATCH = Patch(
+    GPUModelRunner,
+    {
+        "__init__": __init__,
+        "load_model": load_model,
+        "profile_run": profile_run,
+        "execute_model": execute_model,
+    },
+)
