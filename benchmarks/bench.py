@@ -42,7 +42,7 @@ from records import CUT, FAILED, OK, OURS, SKIPPED, TIMED_OUT, load_records, mer
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "plain-v1", "ours", "ours-v1", "fp8", "upstream", "hf")
+VARIANTS = ("plain", "plain-v1", "ours", "ours-v2", "fp8", "upstream", "hf")
 
 
 def can_start(left_s: float, slowest_s: float) -> bool:

@@ -77,8 +77,8 @@ def print_workloads(args: argparse.Namespace) -> None:
 
 def variant_env(variant: str) -> dict:
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
-    if variant.endswith("-v1"):  # vLLM's own switch; releases before Model Runner V2 ignore it
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if variant.endswith(("-v1", "-v2")):  # vLLM's own switch; releases before V2 ignore it
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if variant.endswith("-v2") else "0"
     if variant not in OURS and "VLLM_PLUGINS" not in env:
         # plain and upstream run without vLLM plugins: vLLM as shipped, and our plugin
         # refuses to load on a vLLM it does not support (0.26.0), which would stop the engine

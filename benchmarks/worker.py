@@ -21,7 +21,7 @@ from vllm_gdn_hs.files import take_finished
 
 CONNECTORS = {
     "ours": "HybridHiddenStatesConnector",
-    "ours-v1": "HybridHiddenStatesConnector",  # on the V1 runner (plan.variant_env)
+    "ours-v2": "HybridHiddenStatesConnector",  # on Model Runner V2 (plan.variant_env)
     "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
     "upstream": "ExampleHiddenStatesConnector",
 }

@@ -182,7 +182,7 @@ def test_extra_config_defaults(hybrid_model):
 VLLM_CHOOSES_RUNNER = hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features")
 
 
-@pytest.mark.skipif(runs_model_runner_v2(), reason="extraction runs on V2 on this release")
+@pytest.mark.skipif(runs_model_runner_v2(), reason="V2 runs when asked for on this release")
 def test_v2_model_runner_is_refused_before_0_33(hybrid_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     msg = config_error(hybrid_model, storage=str(tmp_path))
@@ -193,13 +193,10 @@ def test_v2_model_runner_is_refused_before_0_33(hybrid_model, tmp_path, monkeypa
 
 
 @pytest.mark.smoke
-@pytest.mark.skipif(
-    not VLLM_CHOOSES_RUNNER or runs_model_runner_v2(),
-    reason="vLLM 0.20.1 runs V1 unless told; from 0.33.0 extraction runs on V2",
-)
+@pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="vLLM 0.20.1 runs V1 unless told")
 def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
-    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); before
-    0.33.0 the plugin patches only V1, so with our connector vLLM must keep V1."""
+    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU), 0.33.0 for
+    every model; the plugin keeps V1 by default, so with our connector vLLM must pick V1."""
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     ours = harness.engine_config(dense_model, storage=str(tmp_path))
     assert ours.use_v2_model_runner is False
@@ -207,22 +204,18 @@ def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
 
 
 @pytest.mark.smoke
-@pytest.mark.skipif(not runs_model_runner_v2(), reason="the V1 runner before 0.33.0")
-@pytest.mark.parametrize("env, v2", [(None, None), ("1", True), ("0", False)])
-def test_vllm_chooses_the_runner_from_0_33(hybrid_model, tmp_path, monkeypatch, env, v2):
-    """From 0.33.0 both runners are patched: vLLM's own choice stands (V2 by default, V1
-    with VLLM_USE_V2_MODEL_RUNNER=0), and our connector is not among V2's unsupported
-    features."""
+@pytest.mark.skipif(not runs_model_runner_v2(), reason="V2 is refused before 0.33.0")
+@pytest.mark.parametrize("env, v2", [(None, False), ("1", True), ("0", False)])
+def test_v2_runner_on_request_from_0_33(hybrid_model, tmp_path, monkeypatch, env, v2):
+    """From 0.33.0 both runners are patched: V1 by default (vLLM logs why), Model Runner V2
+    when VLLM_USE_V2_MODEL_RUNNER=1 asks for it, and the connector's checks let it start."""
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
     ours = harness.engine_config(hybrid_model, storage=str(tmp_path))
-    plain = harness.engine_config(hybrid_model, connector=None, layer_ids=None)
-    assert "HybridHiddenStatesConnector" not in ours._get_v2_model_runner_unsupported_features()
-    assert ours.use_v2_model_runner is plain.use_v2_model_runner  # (no Triton on CPU: V1)
-    if v2 is not None:
-        assert ours.use_v2_model_runner is v2
+    assert ours.use_v2_model_runner is v2
+    assert make(ours).layer_ids == [1, 4, 8]
 
 
 def test_prefill_context_parallelism_is_refused(hybrid_model, tmp_path):

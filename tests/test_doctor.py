@@ -15,7 +15,7 @@ import torch
 
 from vllm_gdn_hs import doctor
 from vllm_gdn_hs.doctor import _compress, checks
-from vllm_gdn_hs.version import describe_releases, installed_vllm, runs_model_runner_v2
+from vllm_gdn_hs.version import describe_releases, installed_vllm
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
@@ -40,7 +40,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
     assert installed_vllm().base_version in lines["vllm"] and lines["vllm"].startswith("ok")
-    assert ("V2 (" if runs_model_runner_v2() else "V1 (") in lines["model runner"]
+    assert "V1 (" in lines["model runner"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]
@@ -146,3 +146,18 @@ def test_help_is_plain_text(command):
     r = _cli(*command, "--help")
     assert r.returncode == 0 and "usage:" in r.stdout
     assert "``" not in r.stdout and ":func:" not in r.stdout
+
+
+@pytest.mark.parametrize("env", [None, "1"])
+def test_doctor_names_the_runner_extraction_runs_on(env, monkeypatch):
+    from vllm_gdn_hs.version import runs_model_runner_v2
+
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    runner = doctor.model_runner()
+    if env == "1" and runs_model_runner_v2():
+        assert runner.startswith("Model Runner V2")
+    else:  # the default on every release (before 0.33.0 the variable is refused at startup)
+        assert runner.startswith("V1 (")

@@ -9,7 +9,8 @@ patched ``execute_model``, between the steps of vLLM's own V2 ``ActiveKVConnecto
 (``pre_forward`` ... ``post_forward``, the order ``sample_tokens`` keeps), hands the real
 worker-side connector each forward pass's rows from vLLM's own V2 ``InputBatch`` (scheduled
 tokens only, configured layer order) and the files hold exactly those rows; dummy runs and
-steps without a forward pass hand over nothing; other connectors are untouched.
+steps without a forward pass and the kernel warm-up (connector disabled) hand over nothing;
+other connectors are untouched.
 Edges replaced: the runner's construction (a CUDA device) and the forward pass on the GPU,
 which here leaves the aux states in ``execute_model_state`` as V2's does.
 """
@@ -33,7 +34,7 @@ from vllm.model_executor.models.interfaces import SupportsEagle3
 from vllm_gdn_hs.version import runs_model_runner_v2
 
 pytestmark = pytest.mark.skipif(
-    not runs_model_runner_v2(), reason="extraction runs on the V1 runner on this release"
+    not runs_model_runner_v2(), reason="Model Runner V2 is patched from vLLM 0.33.0"
 )
 if runs_model_runner_v2():
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
@@ -179,13 +180,19 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
                 # ...nor does a step without scheduled tokens (V2's no_forward path).
                 empty = harness.scheduler_output(HybridHiddenStatesConnectorMetadata())
                 assert GPUModelRunner.execute_model(runner, empty) == "no forward"
+                # ...nor the kernel warm-up's made-up requests (vLLM disables the connector).
+                v2_connector.set_disabled(True)
+                warmup = harness.scheduler_output(None, {"warmup": 2})
+                runner.next_batch = _input_batch([("warmup", 0, 2)], torch.arange(2), 0)
+                assert GPUModelRunner.execute_model(runner, warmup) is None
+                v2_connector.set_disabled(False)
             step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], pad=0)
             done = HybridHiddenStatesConnectorMetadata(finished_requests=fin(prompts))
             v2_connector.no_forward(harness.scheduler_output(done, finished_req_ids=prompts))
             conn.shutdown()
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = saved
-    assert forwards == [False, True, False, False]
+    assert forwards == [False, True, False, False, False]
 
     for r, tokens in prompts.items():
         got = load_file(path[r])

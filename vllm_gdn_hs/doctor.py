@@ -88,7 +88,17 @@ def model_runner() -> str:
     from vllm_gdn_hs.version import runs_model_runner_v2
 
     if runs_model_runner_v2():
-        return "V2 (vLLM's default; the V1 runner with VLLM_USE_V2_MODEL_RUNNER=0)"
+        import vllm.envs as envs
+
+        if envs.VLLM_USE_V2_MODEL_RUNNER is True:
+            return (
+                "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; measured in eager mode only, "
+                "the plugin's default is V1)"
+            )
+        return (
+            "V1 (the plugin keeps V1 and vLLM logs why; VLLM_USE_V2_MODEL_RUNNER=1 runs "
+            "Model Runner V2, measured in eager mode only)"
+        )
     if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):
         return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
     return "V1 (vLLM's only runner by default on this release)"

@@ -28,9 +28,11 @@ REFUSED: dict[str, str] = {}
 # The releases .ci/run runs the whole CPU suite on: the first, the last on torch 2.11, and
 # the newest; tests/matrix.sh runs the smoke set on every release.
 CI_RELEASES = ("0.20.1", "0.26.0", "0.33.0")
-# The first release on which extraction runs on Model Runner V2, vLLM's default runner there
-# (hybrid models included). Before it the plugin keeps the V1 runner: vLLM chose V2 for dense
-# models only, and V2 with this connector is tested on the GPU from this release on.
+# The first release on which extraction can run on Model Runner V2 (vLLM's default runner
+# there, hybrid models included), when VLLM_USE_V2_MODEL_RUNNER=1 asks for it. The plugin
+# keeps V1 by default on every release: V2 with this connector has run on the GPU in eager
+# mode only (27B shape, 0.992-0.997 of plain vLLM), not yet the accuracy suite or CUDA graphs.
+# Before 0.33.0 the plugin refuses V2.
 MODEL_RUNNER_V2_FROM = "0.33.0"
 
 
@@ -62,7 +64,7 @@ def installed_vllm() -> Version | None:
 
 
 def runs_model_runner_v2(version: str | None = None) -> bool:
-    """Whether extraction may run on Model Runner V2 on this release (default: installed)."""
+    """Whether extraction can run on Model Runner V2 on this release (default: installed)."""
     if version is None:
         installed = installed_vllm()
         version = installed.base_version if installed is not None else "0"

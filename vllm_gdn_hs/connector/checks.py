@@ -71,6 +71,7 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
 
     # Before 0.33.0 only the V1 runner is patched: vLLM 0.26.0 decides the runner in
     # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable.
+    # From 0.33.0 VLLM_USE_V2_MODEL_RUNNER=1 runs the patched V2 runner.
     if not runs_model_runner_v2() and getattr(
         vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER
     ):

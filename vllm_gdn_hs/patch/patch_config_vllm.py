@@ -26,11 +26,12 @@ pipeline parallelism), so a bad configuration fails before any model loads.
 
 vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
 so there the HMA part is left out. From 0.22.0 vLLM may pick Model Runner V2 (0.26.0: for
-dense models by default). Before ``version.MODEL_RUNNER_V2_FROM`` (0.33.0) the plugin keeps
-the V1 runner: the patch adds this connector to
-``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM says why (and refuses
-``VLLM_USE_V2_MODEL_RUNNER=1`` in its own words). From 0.33.0 vLLM's choice stands: V2 by
-default, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches.
+dense models by default; 0.33.0: for every model). The plugin keeps the V1 runner by
+default: the patch adds this connector to
+``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM picks V1 and says why.
+Before ``version.MODEL_RUNNER_V2_FROM`` (0.33.0) ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused
+(vLLM names the connector as unsupported); from it that variable leaves the connector off
+the list and runs V2, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches.
 
 Upstream: a first-class "extract hidden states without speculation" mode does not exist
 (0.26.0). Remove when it does. Source twins: ``patches/<vllm version>/0001-*.patch``.
@@ -43,14 +44,12 @@ from vllm.config import VllmConfig
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
-from vllm_gdn_hs.version import runs_model_runner_v2
 
 logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
 # vLLM 0.26.0 and later: HMA per connector, and Model Runner V2 as a default.
 _orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
-_keeps_v1_runner = _orig_v2_unsupported is not None and not runs_model_runner_v2()
 
 
 def _vllm_decides_hma_per_connector() -> bool:
@@ -118,10 +117,18 @@ def __post_init__(self: VllmConfig) -> None:
         validate_vllm_config(self)  # fail now, not after the model is loaded
 
 
+def _v2_asked_for() -> bool:
+    """VLLM_USE_V2_MODEL_RUNNER=1 on a release where the V2 runner is patched."""
+    import vllm.envs as envs
+
+    from vllm_gdn_hs.version import runs_model_runner_v2
+
+    return runs_model_runner_v2() and envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
     unsupported = _orig_v2_unsupported(self)
-    kv = self.kv_transfer_config
-    if is_ours(kv):
+    if is_ours(self.kv_transfer_config) and not _v2_asked_for():
         unsupported.append(CONNECTOR_NAME)
     return unsupported
 
@@ -131,7 +138,7 @@ PATCH = Patch(
     {"__post_init__": __post_init__}
     | (
         {"_get_v2_model_runner_unsupported_features": _get_v2_model_runner_unsupported_features}
-        if _keeps_v1_runner
+        if _orig_v2_unsupported is not None
         else {}
     ),
 )

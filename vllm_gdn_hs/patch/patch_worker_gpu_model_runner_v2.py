@@ -5,18 +5,21 @@ default runner, hybrid models included. It already returns the model's aux hidde
 when speculative decoding asks for them, but only to a drafter. The config patch drops the
 ``extract_hidden_states`` speculative config, so this runner must itself ask the model for
 the chosen layers and give them to the connector, as ``patch_worker_gpu_model_runner`` does
-for the V1 runner (which vLLM still runs with ``VLLM_USE_V2_MODEL_RUNNER=0``).
+for the V1 runner. The plugin still runs V1 unless ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for
+V2 (``version.MODEL_RUNNER_V2_FROM`` says why).
 
 How, only when the connector is configured:
 - ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps
   output buffers for them); nothing allocated;
-- ``load_model``: after the original, the model returns the connector's layers
+- ``load_model``: after the original (which reads the flag as "a drafter's layers", so it
+  is off meanwhile), the model returns the connector's layers
   (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter);
 - ``profile_run``: after the original, the largest step's hand-over is allocated once, so
   that the KV cache is sized with it (:func:`profile_step`, shared with the V1 runner);
-- ``execute_model``: after the original, when it ran a real forward pass (not a dummy run
-  of profiling, capture or an idle data-parallel rank, and a step with tokens), the aux
-  states of the scheduled tokens in ``execute_model_state`` are handed to the connector
+- ``execute_model``: after the original, when it ran a real forward pass with the connector
+  on (not a dummy run of profiling, capture or an idle data-parallel rank, not the kernel
+  warm-up's made-up requests, for which vLLM disables the connector), the aux states of
+  the scheduled tokens in ``execute_model_state`` are handed to the connector
   with the batch's request ids, query start locations and positions (:func:`hand_over`).
   That is before ``sample_tokens``, whose ``post_forward`` calls the connector's
   ``wait_for_save`` and asks which files are done, the order the V1 runner keeps.
@@ -60,8 +63,15 @@ def __init__(self, vllm_config, device) -> None:
 
 
 def load_model(self, *args, **kwargs) -> None:
-    _orig_load_model(self, *args, **kwargs)
-    if getattr(self, "hidden_states_layer_ids", None):
+    ids = getattr(self, "hidden_states_layer_ids", None)
+    if ids:  # vLLM's load_model reads the flag as "a drafter's aux layers" (and asserts one)
+        self.use_aux_hidden_state_outputs = False
+    try:
+        _orig_load_model(self, *args, **kwargs)
+    finally:
+        if ids:
+            self.use_aux_hidden_state_outputs = True
+    if ids:
         from vllm.model_executor.models.interfaces import supports_eagle3
 
         if not supports_eagle3(self.model):
@@ -79,11 +89,14 @@ def profile_run(self, *args, **kwargs) -> None:
 
 
 def execute_model(self, scheduler_output, *args, **kwargs):
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
     output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
     if (
         getattr(self, "hidden_states_layer_ids", None)
         and output is None  # a forward pass ran; its state waits for sample_tokens
         and scheduler_output.total_num_scheduled_tokens > 0
+        and has_kv_transfer_group()  # off in kernel warm-up (KVConnector.set_disabled)
         and not _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
             "dummy_run", False
         )
