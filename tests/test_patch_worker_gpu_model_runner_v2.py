@@ -152,8 +152,8 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
         try:
             v2_connector = ActiveKVConnector(cfg, {})  # vLLM's own, around the runner
             runner = object.__new__(GPUModelRunner)
-            runner.hidden_states_layer_ids = list(layer_ids)
-            runner.hidden_states_order = patch_mod.layer_order(layer_ids)
+            patch_mod.set_up_extraction(runner, cfg)  # what the patched __init__ adds
+            assert runner.hidden_states_layer_ids == list(layer_ids)
 
             def step(meta, sched, pad=3, dummy_run=False):
                 rows = torch.cat(

@@ -74,6 +74,12 @@ def layer_order(layer_ids) -> list[int]:
 
 def __init__(self, vllm_config, device) -> None:
     _orig_init(self, vllm_config, device)
+    set_up_extraction(self, vllm_config)
+
+
+def set_up_extraction(self, vllm_config) -> None:
+    """After a runner's own ``__init__`` (either runner): the connector's layer ids, the
+    model's aux outputs on, and the index that keeps the configured layer order."""
     ids = extraction_layer_ids(vllm_config)
     self.hidden_states_layer_ids = ids
     if ids:

@@ -40,10 +40,9 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch
 from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import (
-    extraction_layer_ids,
     hand_over,
-    layer_order,
     profile_step,
+    set_up_extraction,
 )
 
 _orig_init = GPUModelRunner.__init__
@@ -55,11 +54,7 @@ _EXECUTE_MODEL_ARGS = inspect.signature(_orig_execute_model)
 
 def __init__(self, vllm_config, device) -> None:
     _orig_init(self, vllm_config, device)
-    ids = extraction_layer_ids(vllm_config)
-    self.hidden_states_layer_ids = ids
-    if ids:
-        self.use_aux_hidden_state_outputs = True
-        self.hidden_states_order = layer_order(ids)
+    set_up_extraction(self, vllm_config)
 
 
 def load_model(self, *args, **kwargs) -> None:
