@@ -2,6 +2,8 @@
 on a machine without a GPU). Test files that ``import harness`` are not collected on a GPU
 machine (tests/conftest.py)."""
 
+import contextlib
+
 from vllm_gdn_hs.cpu_engine import *  # noqa: F403
 from vllm_gdn_hs.cpu_engine import _init_dist  # noqa: F401
 
@@ -52,3 +54,88 @@ def scheduler_output(metadata, num_scheduled_tokens=(), finished_req_ids=()):
     so.total_num_scheduled_tokens = sum(so.num_scheduled_tokens.values())
     so.finished_req_ids = set(finished_req_ids)
     return so
+
+
+def v2_input_batch(sched, positions, pad=0):
+    """vLLM's own Model Runner V2 ``InputBatch`` for a schedule ``[(req_id, start, count)]`` in
+    batch order, with ``pad`` padding tokens after the scheduled ones (as CUDA graphs pad)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    num_tokens = sum(n for _, _, n in sched)
+    buffers = InputBuffers(
+        max_num_reqs=max(8, len(sched)),
+        max_num_tokens=max(64, num_tokens + pad),
+        device=torch.device("cpu"),
+    )
+    batch = InputBatch.make_dummy(len(sched), num_tokens + pad, buffers)
+    batch.positions[:] = positions
+    qsl = np.array([0, *np.cumsum([n for _, _, n in sched])], dtype=np.int32)
+    return dataclasses.replace(
+        batch, req_ids=[r for r, _, _ in sched], num_tokens=num_tokens, query_start_loc_np=qsl
+    )
+
+
+class V2Runner:
+    """vLLM's own Model Runner V2 ``GPUModelRunner`` with the plugin's patch, stepped between
+    the hooks of vLLM's own V2 ``ActiveKVConnector`` in the order ``execute_model`` and
+    ``sample_tokens`` keep. The one fake is the GPU's forward pass, which leaves the step's
+    aux hidden states in ``execute_model_state`` as V2's does. ``connector`` is the worker-side
+    connector, the process's KV transfer group during each step."""
+
+    def __init__(self, connector, vllm_config):
+        from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+        from vllm_gdn_hs.patch import patch_worker_gpu_model_runner_v2
+
+        self.patch = patch_worker_gpu_model_runner_v2
+        self.connector = connector
+        with self.agent():
+            self.kv = ActiveKVConnector(vllm_config, {})
+        self.runner = object.__new__(GPUModelRunner)
+        self.patch.set_up_extraction(self.runner, vllm_config)
+
+    @contextlib.contextmanager
+    def agent(self):
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        saved, kv_transfer_state._KV_CONNECTOR_AGENT = (
+            kv_transfer_state._KV_CONNECTOR_AGENT,
+            self.connector,
+        )
+        try:
+            yield
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+    def step(self, scheduler_output, sched, aux, pad=0):
+        """One step: ``sched`` as for ``v2_input_batch``; ``aux`` the model's aux hidden
+        states, one tensor per layer (ascending), a row per scheduled token plus ``pad``."""
+        from unittest import mock
+
+        import torch
+        from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
+
+        with self.agent():
+            if not scheduler_output.total_num_scheduled_tokens:
+                return self.kv.no_forward(scheduler_output)
+            positions = torch.cat(
+                [torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad, dtype=torch.long)]
+            )
+            batch = v2_input_batch(sched, positions, pad)
+
+            def forward(runner, *args, **kwargs):  # the edge: V2's forward pass on the GPU
+                state = dict.fromkeys(ExecuteModelState._fields)
+                state.update(input_batch=batch, hidden_states=aux[-1], aux_hidden_states=aux)
+                state.update(finished_req_ids=set(), num_spec_tokens_to_schedule=0)
+                runner.execute_model_state = ExecuteModelState(**state)
+
+            with mock.patch.object(self.patch, "_orig_execute_model", forward):
+                self.kv.pre_forward(scheduler_output, batch)
+                GPUModelRunner.execute_model(self.runner, scheduler_output, None)
+                self.kv.finish_forward()
+                return self.kv.post_forward(scheduler_output.finished_req_ids)

@@ -6,7 +6,10 @@ Request ids are formed as each entry point forms them (``cmpl-<id>-<i>`` for com
 ``InputProcessor.assign_request_id`` (random suffix, or none under
 VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1). The requests run through the real Scheduler; its
 connector metadata drives a worker-side connector whose rows are written to real files. The
-only fake is the GPU: each step's rows are made up from the scheduled positions. Faults are
+rows reach it as the V1 runner patch hands them over and, where Model Runner V2 is patched,
+through the patched V2 ``execute_model`` between vLLM's own V2 connector hooks (with padding
+rows after the scheduled ones, as CUDA graphs pad). The only fake is the GPU: each step's
+rows are made up from the scheduled positions. Faults are
 injected at each per-request stage (path, lock, host buffers, drain, write). The pass:
 nothing is created outside the folder, no exception reaches vLLM, and every other request
 in the same steps still gets its file.
@@ -32,6 +35,7 @@ from vllm.v1.request import Request
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector, request_rows
+from vllm_gdn_hs.version import runs_model_runner_v2
 
 _ABS = f"/tmp/vllm-gdn-hs-hostile-{uuid.uuid4().hex[:8]}"  # must never come into being
 HOSTILE_IDS = {
@@ -79,12 +83,14 @@ class Engine:
 
     L = 4  # the harness's default layer ids
 
-    def __init__(self, model: str, storage: str, **extra):
+    def __init__(self, model: str, storage: str, runner: str = "v1", **extra):
         self.sched = make_scheduler(model, storage, **extra)
         self.cfg = self.sched.vllm_config
         harness._init_dist(self.cfg)
         with set_current_vllm_config(self.cfg):
             self.worker = HybridHiddenStatesConnector(self.cfg, KVConnectorRole.WORKER)
+        # "v2": the rows go through the patched Model Runner V2 execute_model instead
+        self.v2 = harness.V2Runner(self.worker, self.cfg) if runner == "v2" else None
         self.hidden = self.cfg.model_config.get_hidden_size()
         self.L = len(self.worker.layer_ids)
         self.outputs: dict[str, object] = {}
@@ -98,21 +104,30 @@ class Engine:
     def step(self) -> None:
         so = self.sched.schedule()
         ids = list(so.num_scheduled_tokens)
-        positions, qsl = [], [0]
+        positions, qsl, starts, counts = [], [0], [], []
         for rid in ids:
             n = so.num_scheduled_tokens[rid]
             start = self.sched.requests[rid].num_computed_tokens - n
             positions += range(start, start + n)
             qsl.append(qsl[-1] + n)
+            starts.append(start)
+            counts.append(n)
 
-        def forward():  # the runner patch hands the step's rows over during the forward pass
-            pos = torch.tensor(positions, dtype=torch.int64)
-            rows = (pos + 1).to(torch.bfloat16)[:, None, None].expand(-1, self.L, self.hidden)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        rows = (pos + 1).to(torch.bfloat16)[:, None, None].expand(-1, self.L, self.hidden)
+
+        def forward():  # the V1 runner patch hands the step's rows over in the forward pass
             self.worker.save_hidden_states(
                 rows.contiguous(), ids, torch.tensor(qsl, dtype=torch.int32), pos
             )
 
-        harness.runner_step(self.worker, so, self.cfg, forward)
+        if self.v2 is not None:
+            sched = list(zip(ids, starts, counts, strict=True))
+            nan = torch.full((2, self.hidden), float("nan")).bfloat16()  # CUDA-graph padding
+            aux = [torch.cat([rows[:, k], nan]) for k in range(self.L)]
+            self.v2.step(so, sched, aux, pad=2)
+        else:
+            harness.runner_step(self.worker, so, self.cfg, forward)
         tokens = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in ids]
         out = ModelRunnerOutput(
             req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
@@ -129,6 +144,14 @@ class Engine:
 
     def params(self, rid: str) -> dict:
         return self.outputs[rid].kv_transfer_params or {}
+
+
+@pytest.fixture(params=["v1", "v2"], ids=["runner-v1", "runner-v2"])
+def runner(request):
+    """Which model runner hands the rows over: V1, and Model Runner V2 where it is patched."""
+    if request.param == "v2" and not runs_model_runner_v2():
+        pytest.skip("Model Runner V2 is patched from vLLM 0.33.0")
+    return request.param
 
 
 @pytest.fixture
@@ -156,11 +179,11 @@ def only_the_folder(root) -> None:
 
 @pytest.mark.parametrize("randomized", [True, False], ids=["random-suffix", "ids-as-given"])
 def test_hostile_ids_in_every_entry_point_stay_in_the_folder(
-    hybrid_model, root, monkeypatch, randomized
+    hybrid_model, root, monkeypatch, randomized, runner
 ):
     if not randomized:
         monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
-    eng = Engine(hybrid_model, str(root / "hs"))
+    eng = Engine(hybrid_model, str(root / "hs"), runner)
     normal = [eng.add(engine_request(f"cmpl-normal{i}-0", [1 + i, 2, 3])) for i in range(3)]
     hostile = [
         eng.add(engine_request(form(rid), [5, 6, 7, 8]))
@@ -283,7 +306,7 @@ STAGES = ["path", "lock", "host-buffer", "drain-prefill", "drain-decode", "write
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_fault_at_any_stage_costs_one_request_its_file(
-    hybrid_model, root, monkeypatch, caplog, stage
+    hybrid_model, root, monkeypatch, caplog, stage, runner
 ):
     """The faulty request gets no file and no lock (its reader fails at once), is counted
     and logged once with its id; the engine keeps serving and the others get their files."""
@@ -325,7 +348,7 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
             "write_file",
             for_victim(files.write_file, lambda p, *a: name_of.get(os.path.basename(p))),
         )
-    eng = Engine(hybrid_model, str(root / "hs"))
+    eng = Engine(hybrid_model, str(root / "hs"), runner)
     # Decode rows come in short runs; prefill in long ones: the victim has both.
     eng.add(engine_request(victim, list(range(1, 40)), 4, {"include_output_tokens": True}))
     others = [eng.add(engine_request(f"o{i}", list(range(1, 30 + i)), 3)) for i in range(3)]

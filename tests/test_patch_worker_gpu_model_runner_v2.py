@@ -17,12 +17,10 @@ which here leaves the aux states in ``execute_model_state`` as V2's does.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from unittest import mock
 
 import harness
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -37,7 +35,6 @@ pytestmark = pytest.mark.skipif(
     not runs_model_runner_v2(), reason="Model Runner V2 is patched from vLLM 0.33.0"
 )
 if runs_model_runner_v2():
-    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 
@@ -102,18 +99,6 @@ def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
     assert handed == [(64, 3, cfg.model_config.get_hidden_size())]
 
 
-def _input_batch(sched, positions, pad):
-    """vLLM's own V2 InputBatch for a schedule [(req_id, start, count)] in batch order."""
-    num_tokens = sum(n for _, _, n in sched)
-    buffers = InputBuffers(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"))
-    batch = InputBatch.make_dummy(len(sched), num_tokens + pad, buffers)
-    qsl = np.array([0, *np.cumsum([n for _, _, n in sched])], dtype=np.int32)
-    batch.positions[:] = positions
-    return dataclasses.replace(
-        batch, req_ids=[r for r, _, _ in sched], num_tokens=num_tokens, query_start_loc_np=qsl
-    )
-
-
 @pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface
 def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
     layer_ids = (8, 1, 4)  # configured order; the model hands aux states in ascending order
@@ -161,7 +146,7 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
                     + [torch.full((pad, 3, hidden), float("nan")).bfloat16()]
                 )
                 pos = torch.cat([torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad)])
-                runner.next_batch = _input_batch(sched, pos.long(), pad)
+                runner.next_batch = harness.v2_input_batch(sched, pos.long(), pad)
                 runner.next_aux = [rows[:, k] for k in range(3)]
                 so = harness.scheduler_output(meta, {r: n for r, _, n in sched})
                 if dummy_run:  # vLLM disables the connector around dummy runs
@@ -183,7 +168,7 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
                 # ...nor the kernel warm-up's made-up requests (vLLM disables the connector).
                 v2_connector.set_disabled(True)
                 warmup = harness.scheduler_output(None, {"warmup": 2})
-                runner.next_batch = _input_batch([("warmup", 0, 2)], torch.arange(2), 0)
+                runner.next_batch = harness.v2_input_batch([("warmup", 0, 2)], torch.arange(2), 0)
                 assert GPUModelRunner.execute_model(runner, warmup) is None
                 v2_connector.set_disabled(False)
             step(HybridHiddenStatesConnectorMetadata(), [("b", 4, 2)], pad=0)
