@@ -250,12 +250,14 @@ def env_line(packages, kept):
 
 def calls(out_dir, parts, env):
     """The device calls (carry, command) that bring the parts one by one and install on the
-    last. Carried paths are relative to the repository root, where the device runs commands."""
+    last. Carried paths are relative to the repository root, where the device runs commands.
+    Each call makes the folder itself, so calls sent together survive a refused first start
+    (only its part is lost); the last call's checksum check names any part that is missing."""
     d = os.path.relpath(os.path.abspath(out_dir), os.path.dirname(HERE))
     out = []
     for i, p in enumerate(parts):
         carry = [f"{d}/{p}"]
-        cmd = ("mkdir -p /tmp/devsite && " if i == 0 else "") + f"cp {d}/{p} /tmp/devsite/"
+        cmd = f"mkdir -p /tmp/devsite && cp {d}/{p} /tmp/devsite/"
         if i == len(parts) - 1:
             carry.append(f"{d}/SHA256SUMS")
             cmd += (
