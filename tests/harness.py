@@ -79,6 +79,17 @@ def v2_input_batch(sched, positions, pad=0):
     )
 
 
+def v2_forward_state(batch, aux):
+    """What V2's forward pass leaves for ``sample_tokens`` (``execute_model_state``): the batch
+    and the model's aux hidden states, one tensor per layer (ascending); nothing else."""
+    from vllm.v1.worker.gpu.model_runner import ExecuteModelState
+
+    state = dict.fromkeys(ExecuteModelState._fields)
+    state.update(input_batch=batch, hidden_states=aux[-1], aux_hidden_states=aux)
+    state.update(finished_req_ids=set(), num_spec_tokens_to_schedule=0)
+    return ExecuteModelState(**state)
+
+
 class V2Runner:
     """vLLM's own Model Runner V2 ``GPUModelRunner`` with the plugin's patch, stepped between
     the hooks of vLLM's own V2 ``ActiveKVConnector`` in the order ``execute_model`` and
@@ -118,7 +129,7 @@ class V2Runner:
         from unittest import mock
 
         import torch
-        from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
         with self.agent():
             if not scheduler_output.total_num_scheduled_tokens:
@@ -129,10 +140,7 @@ class V2Runner:
             batch = v2_input_batch(sched, positions, pad)
 
             def forward(runner, *args, **kwargs):  # the edge: V2's forward pass on the GPU
-                state = dict.fromkeys(ExecuteModelState._fields)
-                state.update(input_batch=batch, hidden_states=aux[-1], aux_hidden_states=aux)
-                state.update(finished_req_ids=set(), num_spec_tokens_to_schedule=0)
-                runner.execute_model_state = ExecuteModelState(**state)
+                runner.execute_model_state = v2_forward_state(batch, aux)
 
             with mock.patch.object(self.patch, "_orig_execute_model", forward):
                 self.kv.pre_forward(scheduler_output, batch)

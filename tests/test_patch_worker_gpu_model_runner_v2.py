@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 if runs_model_runner_v2():
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
-    from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     from vllm_gdn_hs.connector import (
         FinishedRequest,
@@ -117,18 +117,7 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
         forwards.append(dummy_run)
         if not scheduler_output.total_num_scheduled_tokens and not dummy_run:
             return "no forward"
-        self.execute_model_state = ExecuteModelState(
-            self.next_batch,
-            None,
-            None,
-            self.next_aux[-1],
-            self.next_aux,
-            None,
-            set(),
-            None,
-            None,
-            0,
-        )
+        self.execute_model_state = harness.v2_forward_state(self.next_batch, self.next_aux)
         return None
 
     with set_current_vllm_config(cfg), mock.patch.object(patch_mod, "_orig_execute_model", forward):

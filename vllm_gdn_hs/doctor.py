@@ -85,12 +85,10 @@ def model_runner() -> str:
     """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
     from vllm.config import VllmConfig
 
-    from vllm_gdn_hs.version import runs_model_runner_v2
+    from vllm_gdn_hs.version import model_runner_v2_asked_for, runs_model_runner_v2
 
     if runs_model_runner_v2():
-        import vllm.envs as envs
-
-        if envs.VLLM_USE_V2_MODEL_RUNNER is True:
+        if model_runner_v2_asked_for():
             return (
                 "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; measured in eager mode only, "
                 "the plugin's default is V1)"

@@ -71,6 +71,14 @@ def runs_model_runner_v2(version: str | None = None) -> bool:
     return Version(version) >= Version(MODEL_RUNNER_V2_FROM)
 
 
+def model_runner_v2_asked_for() -> bool:
+    """Whether extraction runs on Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` on a release
+    where that runner is patched (the plugin keeps V1 otherwise)."""
+    import vllm.envs as envs
+
+    return runs_model_runner_v2() and envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
 def supported_releases() -> list[str]:
     return list(RELEASES)
 

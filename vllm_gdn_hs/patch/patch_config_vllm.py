@@ -44,6 +44,7 @@ from vllm.config import VllmConfig
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
+from vllm_gdn_hs.version import model_runner_v2_asked_for
 
 logger = init_logger(__name__)
 
@@ -117,18 +118,9 @@ def __post_init__(self: VllmConfig) -> None:
         validate_vllm_config(self)  # fail now, not after the model is loaded
 
 
-def _v2_asked_for() -> bool:
-    """VLLM_USE_V2_MODEL_RUNNER=1 on a release where the V2 runner is patched."""
-    import vllm.envs as envs
-
-    from vllm_gdn_hs.version import runs_model_runner_v2
-
-    return runs_model_runner_v2() and envs.VLLM_USE_V2_MODEL_RUNNER is True
-
-
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
     unsupported = _orig_v2_unsupported(self)
-    if is_ours(self.kv_transfer_config) and not _v2_asked_for():
+    if is_ours(self.kv_transfer_config) and not model_runner_v2_asked_for():
         unsupported.append(CONNECTOR_NAME)
     return unsupported
 
