@@ -395,6 +395,45 @@ def test_write_backlog_bounded_and_nothing_lost(storage, caplog, monkeypatch):
     assert leftovers(storage) == []
 
 
+def test_write_backlog_warned_once_and_its_wait_timed(storage, caplog, monkeypatch):
+    """Writes slower than the GPU hit write_backlog_gb again and again, each time with
+    another backlog figure: one warning in all (vLLM's warning_once would log each new
+    figure; on the GPU that was 23 lines in a second), and the drain thread's time waiting
+    on the backlog in the shutdown line."""
+    gate, real_replace = threading.Semaphore(0), os.replace
+
+    def slow_replace(src, dst):
+        gate.acquire(timeout=30)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    per_row = L * H * 2
+    # 8 + 7 + 6 rows fill the backlog; 5 waits (backlog 21 rows), then 4 (backlog 18 rows)
+    lengths = {f"r{n}": n for n in (8, 7, 6, 5, 4, 3)}
+    w = make_writer(storage, write_workers=1, write_backlog_gb=21.5 * per_row / 1e9)
+    data = {r: rows(n) for r, n in lengths.items()}
+    new(w, storage, **lengths)
+    save(w, *((r, 0, x) for r, x in data.items()))
+    finish(w, **{r: list(range(n)) for r, n in lengths.items()})
+    for expect in (21, 18):  # one write at a time; the drain waits again with a new figure
+        deadline = time.monotonic() + 10
+        while w.backlog_bytes != expect * per_row and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert w.backlog_bytes == expect * per_row
+        gate.release()
+    for _ in lengths:
+        gate.release()
+    w.close(timeout=30)
+    assert w.stats["files"] == len(lengths)
+    warned = [r for r in caplog.records if "write_backlog_gb=" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert w.timing["backlog_waited_s"] >= 0.1
+    (shut,) = [r.getMessage() for r in caplog.records if "shut down" in r.getMessage()]
+    assert "s of drain waiting on write_backlog_gb" in shut, shut
+
+
 def test_progress_line_without_finished_files(writer, storage, caplog):
     """A long decode phase finishes no file for minutes; the progress line still comes,
     from the drain thread, through vLLM's logger at INFO."""

@@ -56,7 +56,14 @@ class HybridHiddenStatesConnectorWorker:
         self.stats = dict(files=0, bytes=0, failed=0, aborted=0)
         # Host cost, for the logs: steps saved, seconds of the engine thread in save()
         # (waits for a free host buffer included, and counted apart), of drain work.
-        self.timing = dict(steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0)
+        # backlog_waited_s: the drain thread's waits on write_backlog_gb (below).
+        self.timing = dict(
+            steps=0, engine_save_s=0.0, engine_waited_s=0.0, drain_s=0.0, backlog_waited_s=0.0
+        )
+        # Slow-storage warnings come once per writer, whatever their figures (vLLM's
+        # warning_once keys on the arguments: a new figure would log again, at every step);
+        # the totals are in the progress and shutdown lines.
+        self.warned: set[str] = set()
         # Rows of finished requests not yet written, bounded by write_backlog_gb: past it
         # the drain thread waits for the writers, the ring fills and the engine slows to
         # the speed of the writes instead of the host running out of memory.
@@ -101,7 +108,8 @@ class HybridHiddenStatesConnectorWorker:
         slot, waited = self.ring.copy_out(hidden_states, positions)
         self.timing["engine_waited_s"] += waited
         if waited > 0.5:
-            logger.warning_once(
+            self._warn_once(
+                "host_buffers",
                 "%s: the engine waited %.1f s for host buffers: writing hidden states "
                 "is slower than the GPU (write to faster storage, or raise host_buffers "
                 "/ write_workers)",
@@ -115,11 +123,18 @@ class HybridHiddenStatesConnectorWorker:
     def timing_summary(self) -> str:
         t = self.timing
         steps = max(t["steps"], 1)
+        backlog = t["backlog_waited_s"]
         return (
             f"{t['steps']} steps; per step {1e3 * t['engine_save_s'] / steps:.2f} ms of the "
             f"engine thread in save() ({t['engine_waited_s']:.1f} s waiting for host buffers in "
             f"all) and {1e3 * t['drain_s'] / steps:.2f} ms of drain work"
+            + (f"; {backlog:.1f} s of drain waiting on write_backlog_gb" if backlog else "")
         )
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            logger.warning(msg, *args)
 
     def drained(self, timeout: float) -> bool:
         """Wait until the drain thread has done every task queued before this call."""
@@ -236,7 +251,8 @@ class HybridHiddenStatesConnectorWorker:
         limit = self.cfg.write_backlog_gb * 1e9
         with self.stats_lock:
             if self.backlog_bytes and self.backlog_bytes + nbytes > limit:
-                logger.warning_once(
+                self._warn_once(
+                    "write_backlog_gb",
                     "%s: %.1f GB of finished requests wait for their files to be written "
                     "(write_backlog_gb=%g): extraction now runs at the speed of the writes "
                     "(write to faster storage, or raise write_workers)",
@@ -244,9 +260,11 @@ class HybridHiddenStatesConnectorWorker:
                     self.backlog_bytes / 1e9,
                     self.cfg.write_backlog_gb,
                 )
+                t0 = time.perf_counter()
                 self.stats_lock.wait_for(
                     lambda: not self.backlog_bytes or self.backlog_bytes + nbytes <= limit
                 )
+                self.timing["backlog_waited_s"] += time.perf_counter() - t0
             self.backlog_bytes += nbytes
             self.pending_writes += 1
         self.pool.submit(self._write, buf, fin.token_ids, nbytes)
