@@ -434,6 +434,33 @@ def test_write_backlog_warned_once_and_its_wait_timed(storage, caplog, monkeypat
     assert "s of drain waiting on write_backlog_gb" in shut, shut
 
 
+def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
+    storage, caplog, monkeypatch
+):
+    """A drain slower than the steps (one host buffer, filing rows held up): the engine
+    thread waits in save() for the buffer; one warning, which says no file was being
+    written (so the advice is host_buffers, not faster storage), and the wait is counted."""
+    real_put = request_rows.RequestRows.put
+
+    def slow_put(self, *args):
+        time.sleep(0.7)
+        return real_put(self, *args)
+
+    monkeypatch.setattr(request_rows.RequestRows, "put", slow_put)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    w = make_writer(storage, host_buffers=1)
+    data = {r: rows(40) for r in ("a", "b", "c")}
+    new(w, storage, **dict.fromkeys(data, 40))
+    for r, x in data.items():  # one step each: the 2nd and 3rd wait for the one buffer
+        save(w, (r, 0, x))
+    finish(w, **{r: list(range(40)) for r in data})
+    w.close(timeout=30)
+    assert w.stats["files"] == 3 and w.timing["engine_waited_s"] > 1.0
+    warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "with 0 files being written" in warned[0] and "host_buffers" in warned[0]
+
+
 def test_progress_line_without_finished_files(writer, storage, caplog):
     """A long decode phase finishes no file for minutes; the progress line still comes,
     from the drain thread, through vLLM's logger at INFO."""

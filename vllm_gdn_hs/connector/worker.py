@@ -108,13 +108,18 @@ class HybridHiddenStatesConnectorWorker:
         slot, waited = self.ring.copy_out(hidden_states, positions)
         self.timing["engine_waited_s"] += waited
         if waited > 0.5:
+            # Which side is behind: with files being written, the storage; with none, the
+            # drain thread filing rows (on the GPU: fresh request buffers during prefill).
             self._warn_once(
                 "host_buffers",
-                "%s: the engine waited %.1f s for host buffers: writing hidden states "
-                "is slower than the GPU (write to faster storage, or raise host_buffers "
-                "/ write_workers)",
+                "%s: the engine waited %.1f s for host buffers, with %d files being written "
+                "(%.2f GB): writing hidden states is slower than the GPU (with files being "
+                "written: write to faster storage, or raise write_workers; with none: raise "
+                "host_buffers)",
                 CONNECTOR_NAME,
                 waited,
+                self.pending_writes,
+                self.backlog_bytes / 1e9,
             )
         self.tasks.put(("rows", slot, req_ids, query_start_loc_cpu.tolist()))
         self.timing["steps"] += 1
