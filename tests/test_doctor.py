@@ -161,3 +161,71 @@ def test_doctor_names_the_runner_extraction_runs_on(env, monkeypatch):
         assert runner.startswith("Model Runner V2")
     else:  # the default on every release (before 0.33.0 the variable is refused at startup)
         assert runner.startswith("V1 (")
+
+
+def _kernel_files(root, cgroup_line: str, files: dict[str, str], avail_kb: int = 100 << 20):
+    """A /proc and a /sys/fs/cgroup as the kernel shows them: the process's cgroup line,
+    MemAvailable, and the cgroup's files (paths relative to the cgroup mount)."""
+    proc, cg = root / "proc", root / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup_line + "\n")
+    (proc / "meminfo").write_text(f"MemTotal: {2 * avail_kb} kB\nMemAvailable: {avail_kb} kB\n")
+    for rel, text in files.items():
+        (cg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cg / rel).write_text(text + "\n")
+    return str(proc), str(cg)
+
+
+@pytest.mark.parametrize(
+    "cgroup_line, files",
+    [
+        # cgroup v2 (Slurm's cgroup/v2 plugin): the job's folder holds memory.max
+        ("0::/slurm/job_7", {"slurm/job_7/memory.max": "8000000000",
+                             "slurm/job_7/memory.current": "2000000000"}),
+        # cgroup v1, the job's folder under the memory controller's mount
+        ("4:memory:/slurm/job_7", {"memory/slurm/job_7/memory.limit_in_bytes": "8000000000",
+                                   "memory/slurm/job_7/memory.usage_in_bytes": "2000000000"}),
+        # cgroup v1 in a container that shows only its own cgroup at the mount's root
+        ("4:memory:/docker/abc", {"memory/memory.limit_in_bytes": "8000000000",
+                                  "memory/memory.usage_in_bytes": "2000000000"}),
+    ],
+)  # fmt: skip
+def test_doctor_host_memory_fails_below_write_backlog_under_a_cgroup_cap(
+    tmp_path, cgroup_line, files
+):
+    """A job capped at 8 GB with 2 GB in use has 6 GB left, below the writer's default
+    write_backlog_gb (16): FAIL, naming a write_backlog_gb that fits (3) as the dotted vLLM
+    flag, which the connector's config takes."""
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+    proc, cg = _kernel_files(tmp_path, cgroup_line, files)
+    assert doctor.memory_limit(proc, cg) == 6_000_000_000
+    ((item, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert item == "host memory" and value.startswith("6.0 GB available"), value
+    flag = "--kv-transfer-config.kv_connector_extra_config.write_backlog_gb=3"
+    assert problem and flag in problem and "write_backlog_gb=16" in problem, problem
+    assert HiddenStatesConfig(write_backlog_gb=int(flag.rsplit("=", 1)[1])).write_backlog_gb == 3
+
+
+@pytest.mark.parametrize(
+    "cgroup_line, files",
+    [
+        ("0::/user.slice", {"user.slice/memory.max": "max", "user.slice/memory.current": "1"}),
+        ("4:memory:/", {"memory/memory.limit_in_bytes": "9223372036854771712",
+                        "memory/memory.usage_in_bytes": "1"}),
+        ("0::/", {}),  # no memory files at all
+    ],
+)  # fmt: skip
+def test_doctor_host_memory_reported_without_a_cap(tmp_path, cgroup_line, files):
+    """No cgroup cap ("max", v1's near-2^63, or none): MemAvailable is reported and never
+    fails the doctor, even when low (free memory on a shared machine moves)."""
+    proc, cg = _kernel_files(tmp_path, cgroup_line, files, avail_kb=4 << 20)
+    assert doctor.memory_limit(proc, cg) is None
+    ((_, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert value == "4.3 GB available" and problem is None
+
+
+def test_doctor_host_memory_of_this_machine():
+    ((item, value, problem),) = doctor.host_memory_checks()
+    assert item == "host memory" and value.endswith(("available", "GB more)")), value
+    assert "host memory" in dict((r[0], r[1]) for r in checks())

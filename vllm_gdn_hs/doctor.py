@@ -81,6 +81,73 @@ def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, s
     return rows
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # absent, or "max" (no limit)
+        return None
+
+
+def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup may still take (limit less usage), where a limit
+    is set: cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``), as batch
+    schedulers such as Slurm set them per job; None without one."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, rel in lines:
+        if controllers == "":
+            files, root = ("memory.max", "memory.current"), cgroup_fs
+        elif "memory" in controllers.split(","):
+            files, root = ("memory.limit_in_bytes", "memory.usage_in_bytes"), cgroup_fs + "/memory"
+        else:
+            continue
+        # the cgroup's own folder, or the mount's root where the container shows only its own
+        for folder in (root + rel, root):
+            limit, used = (_read_int(os.path.join(folder, name)) for name in files)
+            if limit is not None and used is not None and limit < 1 << 60:
+                return max(limit - used, 0)
+    return None
+
+
+def host_memory_checks(
+    proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup"
+) -> list[tuple[str, str, str | None]]:
+    """Host memory against the writer's default write_backlog_gb: finished requests' rows
+    wait there for their files, on top of the rows of requests in flight. A FAIL only where
+    a memory cgroup caps the job below it (the kernel would kill the server when the
+    backlog fills); free memory on a shared machine moves, so it is only reported."""
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+    backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
+    avail = None
+    try:
+        with open(os.path.join(proc, "meminfo")) as f:
+            avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    limit = memory_limit(proc, cgroup_fs)
+    known = [x for x in (avail, limit) if x is not None]
+    free = min(known) if known else None
+    if free is None:
+        return [("host memory", "unknown (no /proc/meminfo)", None)]
+    value = f"{free / 1e9:,.1f} GB available" + (
+        f" (the job's memory cgroup allows {limit / 1e9:,.1f} GB more)" if limit is not None else ""
+    )
+    problem = None
+    if limit is not None and limit < backlog_gb * 1e9:
+        problem = (
+            f"the writer may hold write_backlog_gb={backlog_gb:g} GB of finished requests "
+            f"waiting for their files, more than the {limit / 1e9:.1f} GB the job's memory "
+            "cgroup allows: pass --kv-transfer-config.kv_connector_extra_config."
+            f"write_backlog_gb={max(int(limit / 2e9), 1)} to vLLM, or ask for more memory"
+        )
+    return [("host memory", value, problem)]
+
+
 def model_runner() -> str:
     """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
     from vllm.config import VllmConfig
@@ -90,12 +157,12 @@ def model_runner() -> str:
     if runs_model_runner_v2():
         if model_runner_v2_asked_for():
             return (
-                "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; measured in eager mode only, "
-                "the plugin's default is V1)"
+                "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; opt-in, part of the GPU suite "
+                "run on it; the plugin's default is V1)"
             )
         return (
             "V1 (the plugin keeps V1 and vLLM logs why; VLLM_USE_V2_MODEL_RUNNER=1 runs "
-            "Model Runner V2, measured in eager mode only)"
+            "Model Runner V2, opt-in: part of the GPU suite run on it)"
         )
     if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):
         return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
@@ -153,6 +220,7 @@ def checks(
     except Exception:
         gpu = "none visible"
     rows.append(("GPU", gpu, None))
+    rows += host_memory_checks()
 
     info = None
     if model:
