@@ -193,7 +193,7 @@ def test_v2_model_runner_is_refused_before_0_33(hybrid_model, tmp_path, monkeypa
 
 
 @pytest.mark.smoke
-@pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="vLLM 0.20.1 runs V1 unless told")
+@pytest.mark.skipif(not VLLM_CHOOSES_RUNNER, reason="VllmConfig picks no runner: V1")
 def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
     """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU), 0.33.0 for
     every model; the plugin keeps V1 by default, so with our connector vLLM must pick V1."""
