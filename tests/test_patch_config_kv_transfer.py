@@ -13,8 +13,12 @@ from vllm.config import KVTransferConfig
 from vllm_gdn_hs.patch import patch_config_kv_transfer as patch_mod
 
 
-def test_patch_wraps_compute_hash():
-    assert KVTransferConfig.compute_hash is patch_mod.compute_hash
+def test_patch_wraps_what_vllm_keys_on():
+    # vLLM 0.34.0 builds the key from compile_factors(); earlier releases from compute_hash().
+    if patch_mod._FACTORS:
+        assert KVTransferConfig.compile_factors is patch_mod.compile_factors
+    else:
+        assert KVTransferConfig.compute_hash is patch_mod.compute_hash
 
 
 def test_vllm_hash_differs_by_layer_ids_and_from_plain(hybrid_model):
@@ -30,4 +34,5 @@ def test_vllm_hash_differs_by_layer_ids_and_from_plain(hybrid_model):
 
 def test_other_connectors_hash_as_in_vllm():
     cfg = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
-    assert patch_mod.compute_hash(cfg) == patch_mod._orig_compute_hash(cfg)
+    wrapped = patch_mod.compile_factors if patch_mod._FACTORS else patch_mod.compute_hash
+    assert wrapped(cfg) == patch_mod._orig(cfg)

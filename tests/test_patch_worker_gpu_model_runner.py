@@ -1,8 +1,8 @@
 """vllm_gdn_hs.patch.patch_worker_gpu_model_runner: the runner streams aux hidden states; CPU only.
 
 Run: python -m pytest tests/test_patch_worker_gpu_model_runner.py -q   (no GPU, no network)
-Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
-runner through the config; profile_run allocates the largest step's hand-over inside vLLM's
+Skipped from vLLM 0.34.0, which has no V1 runner (tests/test_extraction.py covers what both
+runners share). Covers: profile_run allocates the largest step's hand-over inside vLLM's
 memory profiling (the connector's own GPU work on rows of that shape);
 the patched GPUModelRunner._model_forward, inside the steps that vLLM's own
 KVConnectorModelRunnerMixin runs around it (each release's hook order), hands the real
@@ -25,44 +25,27 @@ import torch
 from safetensors.torch import load_file
 from vllm.config import set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.version import has_v1_runner
+
+if not has_v1_runner():
+    pytest.skip("vLLM 0.34.0 and later have no V1 GPU model runner", allow_module_level=True)
+
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+from vllm_gdn_hs.connector import (  # noqa: E402
     FinishedRequest,
     HybridHiddenStatesConnector,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as patch_mod
-
-
-@pytest.mark.parametrize(
-    "ids, order",
-    [
-        ([16, 1, 64], [1, 0, 2]),
-        ([1, 16, 64], [0, 1, 2]),
-        ([64, 16, 1], [2, 1, 0]),
-        ([8, 2, 5, 4], [3, 0, 2, 1]),
-    ],
-)
-def test_layer_order(ids, order):
-    got = patch_mod.layer_order(ids)
-    assert got == order
-    assert [sorted(ids)[i] for i in got] == ids
+from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as patch_mod  # noqa: E402
+from vllm_gdn_hs.patch.extraction import layer_order  # noqa: E402
 
 
 def test_patch_replaces_runner_methods():
     for name, fn in patch_mod.PATCH.attrs.items():
         assert getattr(GPUModelRunner, name) is fn
-
-
-def test_layer_ids_reach_the_runner_through_the_config(hybrid_model):
-    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
-    assert patch_mod.extraction_layer_ids(cfg) == [8, 1, 4]
-    assert cfg.speculative_config is None  # no drafter, no draft tokens
-    stock = harness.engine_config(hybrid_model, connector=harness.STOCK)
-    assert patch_mod.extraction_layer_ids(stock) is None
-    assert stock.speculative_config is not None
 
 
 def test_other_connectors_keep_vllms_aux_layers():
@@ -118,7 +101,7 @@ class _Model:
 def _runner(layer_ids):
     runner = object.__new__(GPUModelRunner)
     runner.hidden_states_layer_ids = list(layer_ids)
-    runner.hidden_states_order = patch_mod.layer_order(layer_ids)
+    runner.hidden_states_order = layer_order(layer_ids)
     return runner
 
 

@@ -23,17 +23,23 @@ DIST_NAME = "vllm-gdn-hs"
 RELEASES = (
     "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    "0.34.0",
 )  # fmt: skip
 REFUSED: dict[str, str] = {}
-# The releases .ci/run runs the whole CPU suite on: the first, the last on torch 2.11, and
-# the newest; tests/matrix.sh runs the smoke set on every release.
-CI_RELEASES = ("0.20.1", "0.26.0", "0.33.0")
-# The first release on which extraction can run on Model Runner V2 (vLLM's default runner
-# there, hybrid models included), when VLLM_USE_V2_MODEL_RUNNER=1 asks for it. The plugin
-# keeps V1 by default on every release: V2 with this connector has run on the GPU in eager
-# mode only (27B shape, 0.992-0.997 of plain vLLM), not yet the accuracy suite or CUDA graphs.
-# Before 0.33.0 the plugin refuses V2.
+# The releases .ci/run runs the whole CPU suite on: the first, the last with vLLM's V1 GPU model
+# runner, and the newest; tests/matrix.sh runs the smoke set on every release.
+CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
+# Which runner extraction runs on (patch/ applies a runner's patch only where it can run):
+# - Model Runner V2 carries extraction from 0.33.0, where it became vLLM's default runner for
+#   every model (hybrid ones included). Its patch is written against 0.33.0's runner and has
+#   never run on an earlier one, so before 0.33.0 the plugin refuses V2 and runs V1.
+# - vLLM's V1 GPU model runner exists up to 0.33.0; 0.34.0 deleted it (v1/worker/
+#   gpu_model_runner.py and its mixins), so its patch is never imported from 0.34.0 on.
+# - On 0.33.0, where both exist, the plugin runs the runner vLLM picks, V2 unless
+#   VLLM_USE_V2_MODEL_RUNNER=0 asks for V1 (V2_DEFAULT_FROM).
 MODEL_RUNNER_V2_FROM = "0.33.0"
+V1_RUNNER_UNTIL = "0.33.0"
+V2_DEFAULT_FROM = "0.33.0"
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -63,20 +69,49 @@ def installed_vllm() -> Version | None:
         return None
 
 
-def runs_model_runner_v2(version: str | None = None) -> bool:
-    """Whether extraction can run on Model Runner V2 on this release (default: installed)."""
+def _release(version: str | None) -> Version:
     if version is None:
         installed = installed_vllm()
         version = installed.base_version if installed is not None else "0"
-    return Version(version) >= Version(MODEL_RUNNER_V2_FROM)
+    return Version(Version(version).base_version)
+
+
+def runs_model_runner_v2(version: str | None = None) -> bool:
+    """Whether extraction can run on Model Runner V2 on this release (default: installed)."""
+    return _release(version) >= Version(MODEL_RUNNER_V2_FROM)
+
+
+def has_v1_runner(version: str | None = None) -> bool:
+    """Whether this release (default: installed) still has vLLM's V1 GPU model runner."""
+    return _release(version) <= Version(V1_RUNNER_UNTIL)
 
 
 def model_runner_v2_asked_for() -> bool:
-    """Whether extraction runs on Model Runner V2: ``VLLM_USE_V2_MODEL_RUNNER=1`` on a release
-    where that runner is patched (the plugin keeps V1 otherwise)."""
+    """Whether extraction runs on Model Runner V2 with the installed vLLM: always where V2 is
+    the only runner; from V2_DEFAULT_FROM unless ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for V1;
+    before it only with ``VLLM_USE_V2_MODEL_RUNNER=1`` (and never before
+    MODEL_RUNNER_V2_FROM)."""
+    if not runs_model_runner_v2():
+        return False
+    if not has_v1_runner():
+        return True
     import vllm.envs as envs
 
-    return runs_model_runner_v2() and envs.VLLM_USE_V2_MODEL_RUNNER is True
+    asked = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
+    if asked is None:
+        return _release(None) >= Version(V2_DEFAULT_FROM)
+    return bool(asked)
+
+
+def runner_in_use() -> str:
+    """The runner extraction runs on with the installed vLLM, in a few words."""
+    if not has_v1_runner():
+        return "Model Runner V2 (the only runner of this vLLM)"
+    if model_runner_v2_asked_for():
+        return "Model Runner V2 (vLLM's default; VLLM_USE_V2_MODEL_RUNNER=0 runs V1)"
+    if runs_model_runner_v2():
+        return "V1 (VLLM_USE_V2_MODEL_RUNNER=0; unset it to run Model Runner V2)"
+    return "V1 (the only runner the plugin supports on this vLLM)"
 
 
 def supported_releases() -> list[str]:

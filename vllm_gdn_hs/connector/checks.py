@@ -65,19 +65,17 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         validate_layer_ids(layer_ids, n)
     except ValueError as e:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
-    import vllm.envs as envs
-
     from vllm_gdn_hs.version import runs_model_runner_v2
 
     # Before 0.33.0 only the V1 runner is patched: vLLM 0.26.0 decides the runner in
-    # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable.
-    # From 0.33.0 VLLM_USE_V2_MODEL_RUNNER=1 runs the patched V2 runner.
-    if not runs_model_runner_v2() and getattr(
-        vllm_config, "use_v2_model_runner", envs.VLLM_USE_V2_MODEL_RUNNER
-    ):
+    # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable. From
+    # 0.33.0 the patched V2 runner is the plugin's path (and from 0.34.0 the only runner,
+    # where vLLM has neither the variable nor the property).
+    if not runs_model_runner_v2() and _v2_model_runner_chosen(vllm_config):
         raise ValueError(
-            f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner: unset "
-            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0)"
+            f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner on this vLLM: unset "
+            "VLLM_USE_V2_MODEL_RUNNER (or set it to 0), or install vLLM 0.34.0, where "
+            "extraction runs on Model Runner V2"
         )
     if vllm_config.cache_config.enable_prefix_caching:
         raise ValueError(
@@ -85,3 +83,14 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             "states): pass --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
         )
     return layer_ids
+
+
+def _v2_model_runner_chosen(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM runs Model Runner V2 (releases before 0.33.0: its config property, or,
+    where it has none, the variable)."""
+    import vllm.envs as envs
+
+    chosen = getattr(vllm_config, "use_v2_model_runner", None)
+    if chosen is None:
+        chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
+    return bool(chosen)

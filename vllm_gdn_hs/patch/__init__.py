@@ -10,17 +10,17 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from vllm_gdn_hs.version import RELEASES, installed_vllm, runs_model_runner_v2
+from vllm_gdn_hs.version import RELEASES, has_v1_runner, installed_vllm, runs_model_runner_v2
 
 # The patch modules, in the order they apply; the same on every supported release (the few
-# differences between releases are feature probes inside each module), plus Model Runner
-# V2's from the release where extraction runs on it (version.MODEL_RUNNER_V2_FROM).
+# differences between releases are feature probes inside each module), plus one runner patch
+# per runner that exists and carries extraction on the release (version.py says which).
 PATCHES: tuple[str, ...] = (
     "patch_config_vllm",
     "patch_config_kv_transfer",
     "patch_engine_arg_utils",
-    "patch_worker_gpu_model_runner",
 )
+V1_RUNNER_PATCH = "patch_worker_gpu_model_runner"
 MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 
 
@@ -31,7 +31,10 @@ def patches_for(version: str | None = None) -> tuple[str, ...]:
         version = v.base_version if v is not None else ""
     if version not in RELEASES:
         return ()
-    return PATCHES + ((MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2(version) else ())
+    runners = ((V1_RUNNER_PATCH,) if has_v1_runner(version) else ()) + (
+        (MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2(version) else ()
+    )
+    return PATCHES + runners
 
 
 @dataclass

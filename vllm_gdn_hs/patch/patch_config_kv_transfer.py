@@ -8,8 +8,9 @@ config, and ``KVTransferConfig.compute_hash`` has no factors. Without this, a
 cache written by a plain run of the same model could be loaded for an
 extraction run (or the reverse).
 
-How: wraps ``KVTransferConfig.compute_hash``; for this connector the hash also
-covers the connector name and its layer ids.
+How: wraps ``KVTransferConfig.compute_hash`` (up to 0.33.0) or, where vLLM builds the key
+from each config's ``compile_factors()`` (0.34.0), that method; for this connector the key
+also covers the connector name and its layer ids.
 
 Upstream: not needed where the speculative config carries the layers. Remove
 with the config patch. Source twin: ``patches/<vllm version>/0002-*.patch``.
@@ -25,16 +26,31 @@ from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
 
-_orig_compute_hash = KVTransferConfig.compute_hash
+# vLLM 0.34.0 keys the cache on each config's compile_factors(); earlier releases on a hash.
+_FACTORS = hasattr(KVTransferConfig, "compile_factors")
+_orig = KVTransferConfig.compile_factors if _FACTORS else KVTransferConfig.compute_hash
+
+
+def _layers(self: KVTransferConfig) -> list[int]:
+    return list((self.kv_connector_extra_config or {}).get("layer_ids") or [])
 
 
 def compute_hash(self: KVTransferConfig) -> str:
-    base = _orig_compute_hash(self)
+    base = _orig(self)
     if not is_ours(self):
         return base
-    layers = list((self.kv_connector_extra_config or {}).get("layer_ids") or [])
-    factors = f"{base}|{CONNECTOR_NAME}|aux_hidden_states={layers}"
+    factors = f"{base}|{CONNECTOR_NAME}|aux_hidden_states={_layers(self)}"
     return hashlib.sha256(factors.encode()).hexdigest()
 
 
-PATCH = Patch(KVTransferConfig, {"compute_hash": compute_hash})
+def compile_factors(self: KVTransferConfig) -> dict[str, object]:
+    factors = _orig(self)
+    if not is_ours(self):
+        return factors
+    return {**factors, "kv_connector": CONNECTOR_NAME, "aux_hidden_states": _layers(self)}
+
+
+PATCH = Patch(
+    KVTransferConfig,
+    {"compile_factors": compile_factors} if _FACTORS else {"compute_hash": compute_hash},
+)

@@ -12,7 +12,7 @@ How, only when the connector is configured:
   ``load_model`` gives to the model;
 - ``profile_run`` (inside vLLM's memory profiling, which sizes the KV cache):
   after the original, the hand-over of the largest step is allocated once
-  (:func:`profile_step`: the aux states, their stack, the positions and the
+  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`: the aux states, their stack, the positions and the
   connector's GPU temporaries), so the KV cache is sized with it and nothing is
   held between steps (a one-step buffer held for the engine's lifetime cost
   1.8% of the KV cache at Qwen3.6-27B size);
@@ -34,8 +34,12 @@ How, only when the connector is configured:
   hidden states came out wrong (vLLM 0.33.0, H200: error 0.14-0.25 against HF
   fp32 at every layer, 16x HF bf16's). The step runs as a piecewise graph instead.
 
+Applied up to vLLM 0.33.0, the last release with this runner (``version.V1_RUNNER_UNTIL``);
+on 0.33.0 only when ``VLLM_USE_V2_MODEL_RUNNER=0`` makes vLLM pick it. What both runners do
+is in ``patch/extraction.py``.
+
 Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
-without speculative decoding. Source twin: ``patches/<vllm version>/0004-*.patch``.
+without speculative decoding, or when 0.33.0 leaves the supported releases. Source twin: ``patches/<vllm version>/0004-*.patch``.
 """
 
 from __future__ import annotations
@@ -45,9 +49,8 @@ import inspect
 import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.hook import hidden_states_connector
 from vllm_gdn_hs.patch import Patch
+from vllm_gdn_hs.patch.extraction import hand_over, profile_step, set_up_extraction
 
 _orig_init = GPUModelRunner.__init__
 _orig_aux_layers = GPUModelRunner._get_eagle3_aux_layers_from_config
@@ -57,56 +60,15 @@ _orig_batch_execution = GPUModelRunner._determine_batch_execution_and_padding
 _BATCH_EXECUTION_ARGS = inspect.signature(_orig_batch_execution)
 
 
-def extraction_layer_ids(vllm_config) -> list[int] | None:
-    """The connector's layer ids, or None when hidden states are not extracted."""
-    kv = vllm_config.kv_transfer_config
-    if not is_ours(kv):
-        return None
-    return list((kv.kv_connector_extra_config or {}).get("layer_ids") or [])
-
-
-def layer_order(layer_ids) -> list[int]:
-    """Index into the model's aux hidden states (ascending layer order) for each
-    configured layer id, so the file keeps the configured order."""
-    ascending = sorted(layer_ids)
-    return [ascending.index(i) for i in layer_ids]
-
-
 def __init__(self, vllm_config, device) -> None:
     _orig_init(self, vllm_config, device)
     set_up_extraction(self, vllm_config)
-
-
-def set_up_extraction(self, vllm_config) -> None:
-    """After a runner's own ``__init__`` (either runner): the connector's layer ids, the
-    model's aux outputs on, and the index that keeps the configured layer order."""
-    ids = extraction_layer_ids(vllm_config)
-    self.hidden_states_layer_ids = ids
-    if ids:
-        self.use_aux_hidden_state_outputs = True
-        self.hidden_states_order = layer_order(ids)
 
 
 def profile_run(self, *args, **kwargs) -> None:
     _orig_profile_run(self, *args, **kwargs)
     if getattr(self, "hidden_states_layer_ids", None):
         profile_step(self)
-
-
-def profile_step(self) -> None:
-    """Allocate what the hand-over of the largest step allocates: vLLM sizes the KV cache from
-    the peak memory of ``profile_run``, whose dummy forward drops the aux states at once."""
-    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
-
-    shape = (self.max_num_tokens, self.model_config.get_hidden_size())
-    outputs = [  # the model's output and aux states, alive during the hand-over
-        torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-        for _ in range(len(self.hidden_states_layer_ids) + 1)
-    ]
-    rows = torch.stack(outputs[1:], dim=1)
-    positions = torch.empty(shape[0], dtype=torch.int64, device=self.device)
-    HybridHiddenStatesConnector.profile_save_hidden_states(self.vllm_config, rows)
-    del outputs, rows, positions
 
 
 def _get_eagle3_aux_layers_from_config(self):
@@ -145,28 +107,6 @@ def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tens
         req_ids=list(self.input_batch.req_ids[:num_reqs]),
         query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1].clone(),
         positions=positions[0] if positions.dim() == 2 else positions,  # M-RoPE: [3, tokens]
-    )
-
-
-def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
-    """Stack the aux states of the scheduled tokens, layers in the configured order, into a
-    fresh tensor and give it, with a copy of their positions, to the connector (either
-    runner: ``self`` keeps ``hidden_states_order`` and, after the first step, the connector)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    num_tokens = int(query_start_loc_cpu[-1])
-    if num_tokens == 0:
-        return
-    connector = getattr(self, "hidden_states_connector", None)
-    if connector is None:  # first real step: the connector exists only after profiling
-        connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
-    # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
-    rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
-    connector.save_hidden_states(
-        hidden_states=rows,
-        req_ids=req_ids,
-        query_start_loc_cpu=query_start_loc_cpu,
-        positions=positions[:num_tokens].clone(),
     )
 
 

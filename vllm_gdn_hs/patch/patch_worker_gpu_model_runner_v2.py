@@ -1,12 +1,12 @@
 """Hand the aux hidden states to the connector after every forward pass: Model Runner V2.
 
 Why: from vLLM 0.33.0 Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) is vLLM's
-default runner, hybrid models included. It already returns the model's aux hidden states
-when speculative decoding asks for them, but only to a drafter. The config patch drops the
-``extract_hidden_states`` speculative config, so this runner must itself ask the model for
-the chosen layers and give them to the connector, as ``patch_worker_gpu_model_runner`` does
-for the V1 runner. The plugin still runs V1 unless ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for
-V2 (``version.MODEL_RUNNER_V2_FROM`` says why).
+default runner, hybrid models included, and from 0.34.0 its only one. It already returns the
+model's aux hidden states when speculative decoding asks for them, but only to a drafter.
+The config patch drops the ``extract_hidden_states`` speculative config, so this runner must
+itself ask the model for the chosen layers and give them to the connector. This is the
+plugin's path from 0.33.0 (there ``VLLM_USE_V2_MODEL_RUNNER=0`` still runs the V1 runner's
+patch; ``version.py`` says which release runs which).
 
 How, only when the connector is configured:
 - ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps
@@ -15,12 +15,15 @@ How, only when the connector is configured:
   is off meanwhile), the model returns the connector's layers
   (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter);
 - ``profile_run``: after the original, the largest step's hand-over is allocated once, so
-  that the KV cache is sized with it (:func:`profile_step`, shared with the V1 runner);
+  that the KV cache is sized with it (:func:`~vllm_gdn_hs.patch.extraction.profile_step`;
+  from 0.34.0 the extensible KV cache keeps that run's peak free as transient headroom, and
+  its sizing steps run with the connector disabled);
 - ``execute_model``: after the original, when it ran a real forward pass with the connector
   on (not a dummy run of profiling, capture or an idle data-parallel rank, not the kernel
   warm-up's made-up requests, for which vLLM disables the connector), the aux states of
   the scheduled tokens in ``execute_model_state`` are handed to the connector
-  with the batch's request ids, query start locations and positions (:func:`hand_over`).
+  with the batch's request ids, query start locations and positions
+  (:func:`~vllm_gdn_hs.patch.extraction.hand_over`).
   That is before ``sample_tokens``, whose ``post_forward`` calls the connector's
   ``wait_for_save`` and asks which files are done, the order the V1 runner keeps.
 
@@ -39,11 +42,7 @@ import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch
-from vllm_gdn_hs.patch.patch_worker_gpu_model_runner import (
-    hand_over,
-    profile_step,
-    set_up_extraction,
-)
+from vllm_gdn_hs.patch.extraction import hand_over, profile_step, set_up_extraction
 
 _orig_init = GPUModelRunner.__init__
 _orig_load_model = GPUModelRunner.load_model
