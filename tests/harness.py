@@ -20,18 +20,25 @@ def serve_parser():
 
 
 def runner_step(connector, scheduler_output, vllm_config, forward=None):
-    """One step of the worker side, driven as vLLM's model runner drives a KV connector: vLLM's
-    own ``KVConnectorModelRunnerMixin`` binds the step's metadata and calls the connector's
-    hooks around ``forward()`` (the model's forward pass, where our runner patch hands over
-    the rows) in the release's own order (from 0.29.0 ``start_load_kv`` comes only after
-    the forward). A step without scheduled tokens takes vLLM's no-forward path, as the runner
-    does. ``connector`` is the process's KV transfer group for the step."""
+    """One step of the worker side, driven as vLLM's model runner drives a KV connector: the
+    runner's own connector hooks bind the step's metadata and run around ``forward()`` (the
+    model's forward pass, where our runner patch hands over the rows) in the release's own
+    order. Up to 0.33.0 that is the V1 runner's ``KVConnectorModelRunnerMixin`` (from 0.29.0
+    ``start_load_kv`` comes only after the forward); from 0.34.0, which has no V1 runner,
+    Model Runner V2's ``ActiveKVConnector``. A step without scheduled tokens takes vLLM's
+    no-forward path, as the runner does. ``connector`` is the process's KV transfer group for
+    the step."""
     from vllm.distributed.kv_transfer import kv_transfer_state
     from vllm.forward_context import set_forward_context
-    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin as M
 
     saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, connector
     try:
+        try:
+            from vllm.v1.worker.kv_connector_model_runner_mixin import (
+                KVConnectorModelRunnerMixin as M,
+            )
+        except ImportError:  # vLLM 0.34.0: Model Runner V2 only
+            return _v2_connector_step(scheduler_output, vllm_config, forward)
         if not scheduler_output.total_num_scheduled_tokens:
             return M.kv_connector_no_forward(scheduler_output, vllm_config)
         with (
@@ -41,6 +48,35 @@ def runner_step(connector, scheduler_output, vllm_config, forward=None):
             return forward()
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = saved
+
+
+def _v2_connector_step(scheduler_output, vllm_config, forward):
+    """Model Runner V2's connector hooks around one step, in ``execute_model`` and
+    ``sample_tokens``' order (the active KV transfer group is the connector)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    kv = ActiveKVConnector(vllm_config, {})
+    if not scheduler_output.total_num_scheduled_tokens:
+        return kv.no_forward(scheduler_output)
+    kv.pre_forward(scheduler_output)
+    with set_forward_context(None, vllm_config):
+        result = forward()
+    kv.finish_forward()
+    kv.post_forward(scheduler_output.finished_req_ids)
+    return result
+
+
+def model_runner_output(req_ids, sampled_token_ids):
+    """vLLM's own ModelRunnerOutput for a step (0.34.0 dropped ``req_id_to_index``)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kw = dict(req_ids=list(req_ids), sampled_token_ids=sampled_token_ids)
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(**kw)
 
 
 def scheduler_output(metadata, num_scheduled_tokens=(), finished_req_ids=()):

@@ -20,7 +20,6 @@ import pytest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_gdn_hs.connector import (
@@ -92,11 +91,7 @@ def step(sched, sampled: dict[str, list[int]] | None = None):
             tokens.append([])
         else:
             tokens.append((sampled or {}).get(rid, [500 + len(req.output_token_ids)]))
-    out = ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={rid: i for i, rid in enumerate(ids)},
-        sampled_token_ids=tokens,
-    )
+    out = harness.model_runner_output(ids, tokens)
     outputs = sched.update_from_output(so, out)
     finished = {o.request_id: o for eco in outputs.values() for o in eco.outputs if o.finish_reason}
     return so, finished

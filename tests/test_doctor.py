@@ -40,7 +40,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
     assert installed_vllm().base_version in lines["vllm"] and lines["vllm"].startswith("ok")
-    assert "V1 (" in lines["model runner"]
+    assert doctor.model_runner() in lines["model runner"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]
@@ -148,18 +148,20 @@ def test_help_is_plain_text(command):
     assert "``" not in r.stdout and ":func:" not in r.stdout
 
 
-@pytest.mark.parametrize("env", [None, "1"])
+@pytest.mark.parametrize("env", [None, "1", "0"])
 def test_doctor_names_the_runner_extraction_runs_on(env, monkeypatch):
-    from vllm_gdn_hs.version import runs_model_runner_v2
+    from vllm_gdn_hs.version import has_v1_runner, runs_model_runner_v2
 
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
     runner = doctor.model_runner()
-    if env == "1" and runs_model_runner_v2():
-        assert runner.startswith("Model Runner V2")
-    else:  # the default on every release (before 0.33.0 the variable is refused at startup)
+    if not has_v1_runner():  # 0.34.0: one runner, whatever the variable says
+        assert runner.startswith("Model Runner V2 (the only runner")
+    elif runs_model_runner_v2():  # 0.33.0: vLLM's choice, V2 unless the variable says 0
+        assert runner.startswith("V1 (" if env == "0" else "Model Runner V2 (")
+    else:  # before 0.33.0 V1 (the variable asking for V2 is refused at startup)
         assert runner.startswith("V1 (")
 
 

@@ -30,12 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector, request_rows
-from vllm_gdn_hs.version import runs_model_runner_v2
+from vllm_gdn_hs.version import has_v1_runner, runs_model_runner_v2
 
 _ABS = f"/tmp/vllm-gdn-hs-hostile-{uuid.uuid4().hex[:8]}"  # must never come into being
 HOSTILE_IDS = {
@@ -129,9 +128,7 @@ class Engine:
         else:
             harness.runner_step(self.worker, so, self.cfg, forward)
         tokens = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in ids]
-        out = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=tokens
-        )
+        out = harness.model_runner_output(ids, tokens)
         for eco in self.sched.update_from_output(so, out).values():
             for o in eco.outputs:
                 if o.finish_reason:
@@ -151,6 +148,8 @@ def runner(request):
     """Which model runner hands the rows over: V1, and Model Runner V2 where it is patched."""
     if request.param == "v2" and not runs_model_runner_v2():
         pytest.skip("Model Runner V2 is patched from vLLM 0.33.0")
+    if request.param == "v1" and not has_v1_runner():
+        pytest.skip("vLLM 0.34.0 and later have no V1 runner")
     return request.param
 
 

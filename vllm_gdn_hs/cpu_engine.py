@@ -130,20 +130,32 @@ def _init_dist(vllm_config: VllmConfig) -> None:
 
 
 def _load_drafter(vllm_config: VllmConfig) -> None:
-    """Run the real ``ExtractHiddenStatesProposer.load_model``.
+    """Build the extract_hidden_states drafter with vLLM's own loader: up to 0.33.0 the V1
+    runner's ``ExtractHiddenStatesProposer.load_model``, from 0.34.0 Model Runner V2's
+    ``ExtractHiddenStatesSpeculator.load_draft_model``.
 
-    Only its edges are replaced: weights (``get_model`` builds the draft model
-    on the meta device) and the worker-side connector object.
+    Only their edges are replaced: weights (``get_model`` builds the draft model on the meta
+    device) and the worker-side connector object.
     """
     from unittest import mock
 
     import vllm.distributed.kv_transfer as kv_transfer
-    import vllm.v1.spec_decode.extract_hidden_states as ehs
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    def get_model(*, vllm_config, model_config):
+    def get_model(*, vllm_config, model_config, **kw):
         return initialize_model(vllm_config=vllm_config, model_config=model_config)
 
+    try:
+        import vllm.v1.spec_decode.extract_hidden_states as ehs
+    except ImportError:  # vLLM 0.34.0: Model Runner V2's speculator
+        import vllm.v1.worker.gpu.spec_decode.extract_hidden_states as ehs
+
+        speculator = object.__new__(ehs.ExtractHiddenStatesSpeculator)
+        speculator.vllm_config = vllm_config
+        speculator.draft_model_config = vllm_config.speculative_config.draft_model_config
+        with mock.patch.object(ehs, "get_model", get_model):
+            speculator.model = speculator.load_draft_model(None, set())
+        return speculator
     proposer = object.__new__(ehs.ExtractHiddenStatesProposer)
     proposer.vllm_config, proposer.device = vllm_config, torch.device("cpu")
     with (

@@ -152,21 +152,13 @@ def model_runner() -> str:
     """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
     from vllm.config import VllmConfig
 
-    from vllm_gdn_hs.version import model_runner_v2_asked_for, runs_model_runner_v2
+    from vllm_gdn_hs.version import runner_in_use, runs_model_runner_v2
 
-    if runs_model_runner_v2():
-        if model_runner_v2_asked_for():
-            return (
-                "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; opt-in, part of the GPU suite "
-                "run on it; the plugin's default is V1)"
-            )
-        return (
-            "V1 (the plugin keeps V1 and vLLM logs why; VLLM_USE_V2_MODEL_RUNNER=1 runs "
-            "Model Runner V2, opt-in: part of the GPU suite run on it)"
-        )
-    if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):
+    if not runs_model_runner_v2() and hasattr(
+        VllmConfig, "_get_v2_model_runner_unsupported_features"
+    ):
         return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
-    return "V1 (vLLM's only runner by default on this release)"
+    return runner_in_use()
 
 
 def checks(

@@ -104,7 +104,9 @@ def build_tokenizer(model_dir: str, vocab_size: int = 1024) -> str:
     while len(vocab) < 1000:
         vocab["".join(chars[c] for c in f"t{len(vocab)}".encode())] = len(vocab)
     reserved = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
-    reserved += [f"<|reserved_{i}|>" for i in range(1004, vocab_size)]
+    # <|endoftext|> in the vocabulary: transformers 5.19 loads a Qwen3.5 model's tokenizer
+    # as Qwen3_5Tokenizer, which adds it as one more token where it is missing.
+    reserved += ["<|endoftext|>"] + [f"<|reserved_{i}|>" for i in range(1005, vocab_size)]
     vocab.update({t: 1000 + k for k, t in enumerate(reserved)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
