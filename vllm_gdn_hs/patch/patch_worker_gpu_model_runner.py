@@ -12,9 +12,9 @@ How, only when the connector is configured:
   ``load_model`` gives to the model;
 - ``profile_run`` (inside vLLM's memory profiling, which sizes the KV cache):
   after the original, the hand-over of the largest step is allocated once
-  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`: the aux states, their stack, the positions and the
-  connector's GPU temporaries), so the KV cache is sized with it and nothing is
-  held between steps (a one-step buffer held for the engine's lifetime cost
+  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`: the aux states, their stack,
+  the positions and the connector's GPU temporaries), so the KV cache is sized with it
+  and nothing is held between steps (a one-step buffer held for the engine's lifetime cost
   1.8% of the KV cache at Qwen3.6-27B size);
 - ``_model_forward`` (called only for real steps, never for dummy runs): after
   the original, the aux states of the scheduled tokens are stacked, layers in
@@ -39,7 +39,8 @@ on 0.33.0 only when ``VLLM_USE_V2_MODEL_RUNNER=0`` makes vLLM pick it. What both
 is in ``patch/extraction.py``.
 
 Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
-without speculative decoding, or when 0.33.0 leaves the supported releases. Source twin: ``patches/<vllm version>/0004-*.patch``.
+without speculative decoding, or when 0.33.0 leaves the supported releases. Source twin:
+``patches/<vllm version>/0004-*.patch``.
 """
 
 from __future__ import annotations
