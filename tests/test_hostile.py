@@ -94,6 +94,8 @@ class Engine:
         self.L = len(self.worker.layer_ids)
         self.outputs: dict[str, object] = {}
         self.tokens: dict[str, list[int]] = {}
+        self.offset = 0  # added to every row: steps after a change compute other rows
+        self.metas: list = []  # the connector metadata of every step
 
     def add(self, req: Request) -> str:
         self.sched.add_request(req)
@@ -112,8 +114,10 @@ class Engine:
             starts.append(start)
             counts.append(n)
 
+        self.metas.append(so.kv_connector_metadata)
         pos = torch.tensor(positions, dtype=torch.int64)
-        rows = (pos + 1).to(torch.bfloat16)[:, None, None].expand(-1, self.L, self.hidden)
+        rows = (pos + 1 + self.offset).to(torch.bfloat16)[:, None, None]
+        rows = rows.expand(-1, self.L, self.hidden)
 
         def forward():  # the V1 runner patch hands the step's rows over in the forward pass
             self.worker.save_hidden_states(
