@@ -140,7 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default="/tmp/vllm_gdn_hs_bench/logs")
     p.add_argument("--model-root", default="/tmp/vllm_gdn_hs_bench/models")
     p.add_argument("--max-model-len", type=int, default=8448, help="8192 prompt + 256 output")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="0: leave it to vLLM (0.34.0: the extensible KV cache, sized after warm-up)",
+    )
     p.add_argument("--hf-batch-sizes", default="1,4,8,16")
     p.add_argument(
         "--extra-engine-kwargs",

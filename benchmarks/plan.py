@@ -77,7 +77,8 @@ def print_workloads(args: argparse.Namespace) -> None:
 
 def variant_env(variant: str) -> dict:
     env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1", NO_COLOR="1")
-    if variant.endswith(("-v1", "-v2")):  # vLLM's own switch; releases before V2 ignore it
+    if variant.endswith(("-v1", "-v2")):  # vLLM's own switch; before V2 it is ignored, and
+        # 0.34.0 (V2 only) stops at startup on any value but 1
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if variant.endswith("-v2") else "0"
     if variant not in OURS and "VLLM_PLUGINS" not in env:
         # plain and upstream run without vLLM plugins: vLLM as shipped, and our plugin

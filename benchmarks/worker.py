@@ -63,9 +63,10 @@ def engine_kwargs(spec: dict) -> dict:
         additional_config={"gdn_prefill_backend": "triton"},
         enable_prefix_caching=False,
         max_model_len=spec["max_model_len"],
-        gpu_memory_utilization=spec["gpu_memory_utilization"],
         seed=0,
     )
+    if spec["gpu_memory_utilization"]:  # 0: vLLM's default (0.34.0: the extensible KV cache)
+        kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     connector = CONNECTORS.get(spec["variant"])
     if connector:
         from vllm_gdn_hs.config import extraction_config
@@ -82,6 +83,12 @@ def engine_kwargs(spec: dict) -> dict:
     return kw
 
 
+def _has_v1_runner() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
 def engine_config(llm) -> dict | str:
     """What vLLM chose, for reading the figures (0.20.1 attribute names)."""
     try:
@@ -93,8 +100,9 @@ def engine_config(llm) -> dict | str:
             max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
             block_size=c.cache_config.block_size,
             prefix_caching=c.cache_config.enable_prefix_caching,
-            # from 0.22.0 vLLM may choose Model Runner V2; ours keeps the V1 runner
-            model_runner="v2" if getattr(c, "use_v2_model_runner", False) else "v1",
+            # from 0.22.0 vLLM may choose Model Runner V2; 0.34.0 has no other runner
+            model_runner="v2" if getattr(c, "use_v2_model_runner", not _has_v1_runner()) else "v1",
+            extensible_kv_cache=getattr(c.cache_config, "enable_extensible_kv_cache", False),
         )
     except Exception as e:
         return repr(e)

@@ -166,7 +166,7 @@ def test_plain_v1_is_plain_vllm_on_the_v1_model_runner(tmp_path, monkeypatch):
     import vllm.envs as envs
 
     if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER"):
-        pytest.skip("this vLLM has no Model Runner V2: plain-v1 is plain")
+        pytest.skip("this vLLM has no VLLM_USE_V2_MODEL_RUNNER (0.34.0: V2 is its one runner)")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert envs.VLLM_USE_V2_MODEL_RUNNER is False  # as vLLM reads it: V1, whatever it would pick
     # In a table plain-v1 writes nothing and divides by plain of its run; its runner is named.
