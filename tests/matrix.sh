@@ -27,6 +27,13 @@ mkdir -p "$BASE" "$LOGS"
 # cuda-python 12.6.2.post1, whose files break cuda.bindings 13 (vLLM's CUDA 13 builds).
 CONSTRAINTS="$BASE/constraints.txt"
 echo "cuda-python>=13" >"$CONSTRAINTS"
+# A release whose own pins the package index cannot meet gets the nearest published version
+# instead (uv --override, that release only): vLLM 0.34.0 pins flashinfer-python==0.7.3, which
+# the index lacks (it has 0.7.2.post1 and 0.7.4). The dev extra's transformers is a range, so
+# each release resolves one its own pins admit (0.34.0 needs huggingface-hub 2).
+declare -A OVERRIDES=(
+    ["0.34.0"]="flashinfer-python==0.7.4"
+)
 ROWS="$BASE/rows.tsv"
 : >"$ROWS"
 for VLLM in $RELEASES; do
@@ -36,14 +43,16 @@ for VLLM in $RELEASES; do
     rm -rf "$VENV"
     uv venv -q -p python3 "$VENV"
     export VIRTUAL_ENV="$VENV"
+    OVERRIDE="$BASE/overrides-$VLLM.txt"
+    printf '%s\n' ${OVERRIDES[$VLLM]:-} >"$OVERRIDE"
     refused=0
     [[ " $REFUSED " == *" $VLLM "* ]] && refused=1
     {
         echo "== vLLM $VLLM ($(date -u +%FT%TZ))"
         if [ $refused = 1 ]; then  # the requirement excludes it: install the plugin alone
-            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" "vllm==$VLLM" pytest && uv pip install -q --no-deps -e .
+            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" --override "$OVERRIDE" "vllm==$VLLM" pytest && uv pip install -q --no-deps -e .
         else
-            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" -e '.[dev]' "vllm==$VLLM"
+            uv pip install -q --compile-bytecode -c "$CONSTRAINTS" --override "$OVERRIDE" -e '.[dev]' "vllm==$VLLM"
         fi
     } >"$LOG" 2>&1
     installed=$?

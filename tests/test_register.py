@@ -26,6 +26,7 @@ from vllm_gdn_hs.version import (
     UnsupportedVllmError,
     check_vllm,
     describe_releases,
+    has_v1_runner,
     installed_vllm,
     runs_model_runner_v2,
     supported_releases,
@@ -136,7 +137,7 @@ def _pyproject_vllm_pin() -> Requirement:
     return req
 
 
-# Every vLLM release published from 0.19.1 to 0.33.0 (PyPI), and one to come.
+# Every vLLM release published from 0.19.1 to 0.34.0 (PyPI).
 PUBLISHED = ["0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0"]
 PUBLISHED += ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0"]
 PUBLISHED += ["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
@@ -156,8 +157,9 @@ def test_supported_vllm_is_the_pyproject_pin():
 def test_installed_vllm_is_supported():
     installed = installed_vllm()
     assert check_vllm() == installed and installed.base_version in supported_releases()
+    v1 = (patch.V1_RUNNER_PATCH,) if has_v1_runner() else ()
     v2 = (patch.MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2() else ()
-    assert patch.patches_for() == patch.PATCHES + v2
+    assert patch.patches_for() == patch.PATCHES + v1 + v2
     # A local build of a supported release is the same release.
     assert check_vllm(Version("0.20.1+cu130")) == Version("0.20.1+cu130")
     assert check_vllm(Version("0.26.0")) == Version("0.26.0")
@@ -165,7 +167,7 @@ def test_installed_vllm_is_supported():
 
 @pytest.mark.parametrize(
     "version, nearest",
-    [("0.19.0", "0.20.2"), ("0.20.0", "0.20.2"), ("0.34.0", "0.33.0"), ("1.0.0", "0.33.0")],
+    [("0.19.0", "0.20.2"), ("0.20.0", "0.20.2"), ("0.35.0", "0.34.0"), ("1.0.0", "0.34.0")],
 )
 def test_unsupported_vllm_names_supported_versions(version, nearest):
     with pytest.raises(UnsupportedVllmError) as e:
@@ -205,9 +207,16 @@ v.installed_vllm = lambda: Version("0.19.0")  # as if an unsupported release wer
 import vllm.plugins
 vllm.plugins.load_general_plugins()  # must not raise
 import vllm_gdn_hs, vllm_gdn_hs.patch as p
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.engine.arg_utils import EngineArgs
+import importlib
+targets = [VllmConfig, KVTransferConfig, EngineArgs]  # every class a patch may replace
+for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):
+    try:  # each runner the release has: V1 up to 0.33.0, Model Runner V2 from 0.22.0
+        targets.append(importlib.import_module(module).GPUModelRunner)
+    except ModuleNotFoundError:
+        pass
 try:
     KVConnectorFactory.get_connector_class(
         KVTransferConfig(kv_connector="HybridHiddenStatesConnector", kv_role="kv_producer"))
@@ -215,7 +224,8 @@ try:
 except Exception as e:
     error = type(e).__name__ + ": " + str(e)
 print("RESULT " + json.dumps(dict(
-    applied=p._applied, patched=hasattr(GPUModelRunner, "_vllm_gdn_hs_patched"), error=error)))
+    applied=p._applied, error=error,
+    patched=[t.__qualname__ for t in targets if hasattr(t, "_vllm_gdn_hs_patched")])))
 """
 
 
@@ -226,7 +236,7 @@ def test_unsupported_vllm_warns_and_stays_out_of_the_way(run_python):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT ") :])
-    assert got["applied"] == [] and got["patched"] is False
+    assert got["applied"] == [] and got["patched"] == []
     assert got["error"].startswith(
         f"UnsupportedVllmError: vllm-gdn-hs supports vllm {describe_releases()}"
     )
@@ -240,12 +250,15 @@ _PLAIN_CONFIG = """
 import json, sys
 import harness
 from vllm.engine.arg_utils import EngineArgs
+from vllm.config.utils import hash_factors
 out = {}
 for model in sys.argv[1:]:
     c = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=2048,
                    language_model_only="hybrid" in model).create_engine_config()
     out[model] = dict(
-        hash=c.compute_hash(), prefix_caching=c.cache_config.enable_prefix_caching,
+        # The compile cache key: compute_hash() up to 0.33.0, compile_factors() from 0.34.0.
+        hash=c.compute_hash() if hasattr(c, "compute_hash") else hash_factors(c.compile_factors()),
+        prefix_caching=c.cache_config.enable_prefix_caching,
         hma=not c.scheduler_config.disable_hybrid_kv_cache_manager,
         spec=repr(c.speculative_config), kv=repr(c.kv_transfer_config))
 print("RESULT " + json.dumps(out))
@@ -269,17 +282,23 @@ def test_unsupported_vllm_has_no_patches():
     assert patch.patches_for("0.19.0") == ()
 
 
-def test_model_runner_v2_is_patched_from_its_release():
-    from vllm_gdn_hs.version import MODEL_RUNNER_V2_FROM
+def test_each_runner_is_patched_where_it_runs_extraction():
+    # V1 up to V1_RUNNER_UNTIL (0.34.0 deleted it), Model Runner V2 from MODEL_RUNNER_V2_FROM.
+    from vllm_gdn_hs.version import MODEL_RUNNER_V2_FROM, V1_RUNNER_UNTIL
 
+    v1, v2 = patch.V1_RUNNER_PATCH, patch.MODEL_RUNNER_V2_PATCH
     before = RELEASES[RELEASES.index(MODEL_RUNNER_V2_FROM) - 1]
-    assert patch.patches_for(before) == patch.PATCHES
-    assert patch.patches_for(MODEL_RUNNER_V2_FROM) == (*patch.PATCHES, patch.MODEL_RUNNER_V2_PATCH)
+    assert patch.patches_for(RELEASES[0]) == patch.patches_for(before) == (*patch.PATCHES, v1)
+    both = [r for r in RELEASES if Version(MODEL_RUNNER_V2_FROM) <= Version(r)]
+    both = [r for r in both if Version(r) <= Version(V1_RUNNER_UNTIL)]
+    assert both and all(patch.patches_for(r) == (*patch.PATCHES, v1, v2) for r in both)
+    after = RELEASES[RELEASES.index(V1_RUNNER_UNTIL) + 1]
+    assert patch.patches_for(after) == patch.patches_for(RELEASES[-1]) == (*patch.PATCHES, v2)
 
 
 def test_every_patch_module_has_a_test_module():
     tests = os.path.dirname(os.path.abspath(__file__))
-    for name in (*patch.PATCHES, patch.MODEL_RUNNER_V2_PATCH):
+    for name in (*patch.PATCHES, patch.V1_RUNNER_PATCH, patch.MODEL_RUNNER_V2_PATCH):
         assert os.path.isfile(os.path.join(tests, f"test_{name}.py")), name
 
 
