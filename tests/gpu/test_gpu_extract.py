@@ -84,8 +84,31 @@ def reference(models):
         ref.close()
 
 
+def model_implementations() -> dict[str, str]:
+    """The module of the class vLLM's registry resolves each tiny model's architecture to on
+    this platform (0.34.0 on CUDA: Qwen3.5/3.6 in vllm.models.qwen3_5.nvidia)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    found = {}
+    for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3ForCausalLM"):
+        cls = ModelRegistry._try_load_model_cls(arch)
+        found[arch] = f"{cls.__module__}.{cls.__qualname__}" if cls is not None else "none"
+    return found
+
+
 @pytest.fixture(scope="module", autouse=True)
 def save_results():
+    import vllm
+
+    from vllm_gdn_hs.version import runner_in_use
+
+    RESULTS["environment"] = dict(
+        vllm=vllm.__version__,
+        torch=torch.__version__,
+        gpu=torch.cuda.get_device_name(0),
+        runner=runner_in_use(),
+        model_implementations=model_implementations(),
+    )
     yield
     path = os.environ.get("VLLM_GDN_HS_RESULTS")
     if path:

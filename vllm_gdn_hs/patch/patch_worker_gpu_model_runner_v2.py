@@ -31,7 +31,8 @@ V2 keeps prefill chunks out of FULL decode CUDA graphs itself (a batch is decode
 eligible only without prefills), so the V1 runner's dispatch guard has no twin here.
 
 Upstream: no equivalent; ``patches/upstream/`` proposes the same hand-over through V2's
-``KVConnector`` interface. Source twin: ``patches/<vllm version>/0005-*.patch``.
+``KVConnector`` interface. Source twin:
+``patches/<vllm version>/*-gpu-model-runner-v2-*.patch`` (0005 on 0.33.0, 0004 from 0.34.0).
 """
 
 from __future__ import annotations
