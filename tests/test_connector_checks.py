@@ -199,12 +199,12 @@ def test_v2_model_runner_is_refused_before_0_33(hybrid_model, tmp_path, monkeypa
 
 @pytest.mark.smoke
 @pytest.mark.skipif(
-    not VLLM_CHOOSES_RUNNER or runs_model_runner_v2(),
-    reason="only vLLM 0.22.0-0.32.0 choose a runner the plugin must answer V1",
+    not VLLM_CHOOSES_RUNNER, reason="VllmConfig picks no runner (V1 only, or V2 only)"
 )
 def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
-    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU); before 0.33.0
-    the plugin keeps V1, so with our connector vLLM must pick V1."""
+    """vLLM 0.26.0 picks Model Runner V2 for dense models by default (on a GPU), 0.33.0 for
+    every model; where both runners exist the plugin keeps V1 by default, so with our
+    connector vLLM must pick V1."""
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     ours = harness.engine_config(dense_model, storage=str(tmp_path))
     assert ours.use_v2_model_runner is False
@@ -214,23 +214,20 @@ def test_dense_model_keeps_the_v1_runner(dense_model, tmp_path, monkeypatch):
 @pytest.mark.smoke
 @pytest.mark.skipif(not runs_model_runner_v2(), reason="V2 is refused before 0.33.0")
 @pytest.mark.parametrize("env", [None, "1", "0"])
-def test_runner_is_vllms_choice_from_0_33(hybrid_model, tmp_path, monkeypatch, env):
-    """From 0.33.0 the plugin leaves the runner to vLLM: with our connector vLLM picks what it
-    picks for the same model without it (V2 by default on a GPU; on 0.33.0 V1 where
-    VLLM_USE_V2_MODEL_RUNNER=0 says so), and the connector's checks let it start. 0.34.0 has
-    one runner and no variable to ask for another."""
+def test_runner_from_0_33(hybrid_model, tmp_path, monkeypatch, env):
+    """0.33.0 has both runners: V1 by default (vLLM logs why), Model Runner V2 when
+    VLLM_USE_V2_MODEL_RUNNER=1 asks for it. 0.34.0 has only V2 and no variable to ask for
+    another. Either way the connector's checks let the engine start."""
     if env == "0" and not has_v1_runner():
         pytest.skip("vLLM 0.34.0 has no V1 runner to ask for")
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    v2 = env == "1" or not has_v1_runner()
     ours = harness.engine_config(hybrid_model, storage=str(tmp_path))
-    plain = harness.engine_config(hybrid_model, connector=None, layer_ids=None)
-    assert getattr(ours, "use_v2_model_runner", True) == getattr(plain, "use_v2_model_runner", True)
-    if VLLM_CHOOSES_RUNNER:
-        assert harness.OURS not in ours._get_v2_model_runner_unsupported_features()
-    assert model_runner_v2_asked_for() is (env != "0")
+    assert getattr(ours, "use_v2_model_runner", True) is v2
+    assert model_runner_v2_asked_for() is v2
     assert make(ours).layer_ids == [1, 4, 8]
 
 

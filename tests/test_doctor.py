@@ -159,8 +159,8 @@ def test_doctor_names_the_runner_extraction_runs_on(env, monkeypatch):
     runner = doctor.model_runner()
     if not has_v1_runner():  # 0.34.0: one runner, whatever the variable says
         assert runner.startswith("Model Runner V2 (the only runner")
-    elif runs_model_runner_v2():  # 0.33.0: vLLM's choice, V2 unless the variable says 0
-        assert runner.startswith("V1 (" if env == "0" else "Model Runner V2 (")
+    elif runs_model_runner_v2():  # 0.33.0: V1 unless the variable asks for V2
+        assert runner.startswith("Model Runner V2 (" if env == "1" else "V1 (")
     else:  # before 0.33.0 V1 (the variable asking for V2 is refused at startup)
         assert runner.startswith("V1 (")
 

@@ -26,13 +26,13 @@ pipeline parallelism), so a bad configuration fails before any model loads.
 
 vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
 so there the HMA part is left out. From 0.22.0 vLLM may pick Model Runner V2 (0.26.0: for
-dense models by default; 0.33.0: for every model; 0.34.0: the only runner). Before
-``version.MODEL_RUNNER_V2_FROM`` (0.33.0) the plugin keeps the V1 runner: the patch adds this
-connector to ``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM picks V1 and
-says why (``VLLM_USE_V2_MODEL_RUNNER=1`` is refused there). From 0.33.0 it leaves vLLM's
-choice alone: V2, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches, unless
-``VLLM_USE_V2_MODEL_RUNNER=0`` asks for V1 (``version.model_runner_v2_asked_for``), so the
-patch leaves that method alone there.
+dense models by default; 0.33.0: for every model; 0.34.0: its only runner). On a release
+with both runners the plugin keeps V1 by default: the patch adds this connector to
+``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM picks V1 and says why.
+Before ``version.MODEL_RUNNER_V2_FROM`` (0.33.0) ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused
+(vLLM names the connector as unsupported); from it that variable leaves the connector off
+the list and runs V2, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches.
+0.34.0 has neither the method nor a choice.
 
 Upstream: a first-class "extract hidden states without speculation" mode does not exist
 (0.26.0). Remove when it does. Source twins: ``patches/<vllm version>/0001-*.patch``.
@@ -45,18 +45,14 @@ from vllm.config import VllmConfig
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
 from vllm_gdn_hs.patch import Patch
-from vllm_gdn_hs.version import runs_model_runner_v2
+from vllm_gdn_hs.version import model_runner_v2_asked_for
 
 logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
-# vLLM 0.22.0 to 0.32.0: Model Runner V2 as a choice vLLM makes, which the plugin answers V1
-# (from 0.33.0 vLLM's choice stands: V2, or V1 where VLLM_USE_V2_MODEL_RUNNER=0 decides).
-_orig_v2_unsupported = (
-    None
-    if runs_model_runner_v2()
-    else getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
-)
+# vLLM 0.22.0 to 0.33.0: Model Runner V2 as a choice vLLM makes, which the plugin answers V1
+# unless VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 where it is patched (0.33.0).
+_orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
 
 
 def _vllm_decides_hma_per_connector() -> bool:
@@ -126,7 +122,7 @@ def __post_init__(self: VllmConfig) -> None:
 
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
     unsupported = _orig_v2_unsupported(self)
-    if is_ours(self.kv_transfer_config):
+    if is_ours(self.kv_transfer_config) and not model_runner_v2_asked_for():
         unsupported.append(CONNECTOR_NAME)
     return unsupported
 
