@@ -1,11 +1,26 @@
-"""The CPU tests' harness: vllm_gdn_hs.cpu_engine (vLLM's configs, KV cache specs and Scheduler
-on a machine without a GPU). Test files that ``import harness`` are not collected on a GPU
-machine (tests/conftest.py)."""
+"""The CPU tests' harness: tests/cpu_engine.py (vLLM's configs, KV cache specs and Scheduler
+on a machine without a GPU).
+
+cpu_engine makes vLLM's CpuPlatform the process's platform, which would break the GPU
+engines of tests run in the same process; so where torch sees a CUDA GPU, importing this
+module skips the test module that imports it (a module-level skip, reported with the reason)
+and switches nothing. Run those tests on a CPU machine, or with ``CUDA_VISIBLE_DEVICES=``.
+"""
 
 import contextlib
 
-from vllm_gdn_hs.cpu_engine import *  # noqa: F403
-from vllm_gdn_hs.cpu_engine import _init_dist  # noqa: F401
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip(
+        "runs on vLLM's CpuPlatform (tests/harness.py), which would replace the GPU's platform "
+        "in this process; run it with CUDA_VISIBLE_DEVICES= or on a CPU machine",
+        allow_module_level=True,
+    )
+
+from cpu_engine import *  # noqa: E402, F403
+from cpu_engine import _init_dist  # noqa: E402, F401
 
 
 def serve_parser():

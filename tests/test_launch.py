@@ -15,9 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import dense_config_dict, hybrid_config_dict, write_config
 
 from vllm_gdn_hs import launch, serve_args
-from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

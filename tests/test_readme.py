@@ -26,11 +26,11 @@ import sys
 from importlib import metadata
 
 import pytest
+from tiny_models import build_tiny_hybrid, hybrid_config_dict, write_config
 
 from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
 from vllm_gdn_hs.launch import make_parser, parse_args
-from vllm_gdn_hs.testing import build_tiny_hybrid, hybrid_config_dict, write_config
 from vllm_gdn_hs.version import RELEASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
