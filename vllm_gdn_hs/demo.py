@@ -116,6 +116,7 @@ def run_demo(workdir: str) -> int:
         load_hf_model,
         relative_errors,
     )
+
     model = build_tiny_hybrid(os.path.join(workdir, "tiny-qwen3.5-hybrid"))
     storage = os.path.join(workdir, "hidden_states")
     rng = random.Random(0)
