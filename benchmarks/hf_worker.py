@@ -16,7 +16,7 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
     """transformers forward with hooks on the chosen layers; saves upstream's file format.
 
     Builds the language model alone (Qwen3_5ForCausalLM from text_config, random weights, on
-    the GPU), as vllm_gdn_hs.testing does: transformers 5.17 cannot build this config's vision
+    the GPU), as vllm_gdn_hs.checkpoint does: transformers 5.17 cannot build this config's vision
     tower, and vLLM's language_model_only skips it too.
 
     The hooks repeat vllm_gdn_hs.reference.hf_hidden_states' (layer id k: the output of decoder

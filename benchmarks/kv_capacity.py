@@ -1,7 +1,7 @@
 """KV cache capacity with and without hidden-state extraction, from vLLM's own sizing code.
 
 No GPU needed: builds the real per-layer KV cache specs of the model (meta device, through
-cpu_engine.py) and runs vLLM 0.20.1's get_kv_cache_configs and
+tests/cpu_engine.py) and runs vLLM 0.20.1's get_kv_cache_configs and
 get_max_concurrency_for_kv_cache_config, the numbers behind its "GPU KV cache size: N tokens"
 line. Variants: plain (no extraction); ours (HybridHiddenStatesConnector: the same KV cache
 specs, and no GPU memory held between steps; a step's hand-over is in the peak vLLM profiles,
@@ -22,12 +22,14 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# tests/cpu_engine.py: vLLM's CpuPlatform, the CPU tests' engine (test code, not in the package)
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))
 
+import cpu_engine  # noqa: E402  (first: installs vLLM's CpuPlatform)
 from records import merge_results  # noqa: E402
 from workloads import DEFAULT_LAYERS, model_config, write_model_dir  # noqa: E402
-
-import vllm_gdn_hs.cpu_engine as cpu_engine  # noqa: E402  (first: installs vLLM's CpuPlatform)
 
 
 def capacity(

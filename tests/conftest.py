@@ -7,10 +7,11 @@ Two modes, chosen by whether torch sees a CUDA GPU:
 
 - No GPU (CI, laptops): ``harness`` is imported first; it installs vLLM's CpuPlatform
   before any other vLLM module looks at the platform. Tests marked ``gpu`` are skipped,
-  with the reason.
+  with the reason (:func:`pytest_collection_modifyitems`).
 - A GPU is visible: the CpuPlatform switch is process-wide and would break in-process
-  GPU engines, so the harness is not imported and test files that import it are not
-  collected. Run those on a CPU machine, or here with ``CUDA_VISIBLE_DEVICES=``.
+  GPU engines, so it is not made: a test module that imports ``harness`` is skipped as a
+  whole, by the harness itself. Run those on a CPU machine, or here with
+  ``CUDA_VISIBLE_DEVICES=``.
 
 Either way the plugin is loaded once, through vLLM's own loader, so the runtime patches
 are on for every test whatever the order (``EngineArgs`` and ``LLM`` would load it anyway
@@ -49,21 +50,7 @@ if not vllm_gdn_hs._registered:
         "and not excluded by VLLM_PLUGINS?"
     )
 
-from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config  # noqa: E402
-
-
-def _imports_harness(path) -> bool:
-    try:
-        with open(path) as f:
-            return any(line.startswith("import harness") for line in f)
-    except OSError:
-        return False
-
-
-def pytest_ignore_collect(collection_path, config):
-    if GPU and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
-        return _imports_harness(collection_path) or None
-    return None
+from tiny_models import dense_config_dict, hybrid_config_dict, write_config  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -106,9 +93,12 @@ def _run_python(code: str, *, plugins: bool, timeout: float = 300) -> subprocess
     """Run ``code`` in a fresh interpreter, with tests/ on its path.
 
     ``plugins=False`` sets ``VLLM_PLUGINS=""`` so vLLM loads no general plugin: that
-    process sees stock vLLM, without our patches or connector.
+    process sees stock vLLM, without our patches or connector. The code is a CPU harness
+    script: the interpreter sees no GPU (``CUDA_VISIBLE_DEVICES=``), so that ``harness``
+    runs there on a GPU machine too.
     """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
     if plugins:
         env.pop("VLLM_PLUGINS", None)
     else:

@@ -1,11 +1,26 @@
-"""The CPU tests' harness: vllm_gdn_hs.cpu_engine (vLLM's configs, KV cache specs and Scheduler
-on a machine without a GPU). Test files that ``import harness`` are not collected on a GPU
-machine (tests/conftest.py)."""
+"""The CPU tests' harness: tests/cpu_engine.py (vLLM's configs, KV cache specs and Scheduler
+on a machine without a GPU).
+
+cpu_engine makes vLLM's CpuPlatform the process's platform, which would break the GPU
+engines of tests run in the same process; so where torch sees a CUDA GPU, importing this
+module skips the test module that imports it (a module-level skip, reported with the reason)
+and switches nothing. Run those tests on a CPU machine, or with ``CUDA_VISIBLE_DEVICES=``.
+"""
 
 import contextlib
 
-from vllm_gdn_hs.cpu_engine import *  # noqa: F403
-from vllm_gdn_hs.cpu_engine import _init_dist  # noqa: F401
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip(
+        "runs on vLLM's CpuPlatform (tests/harness.py), which would replace the GPU's platform "
+        "in this process; run it with CUDA_VISIBLE_DEVICES= or on a CPU machine",
+        allow_module_level=True,
+    )
+
+from cpu_engine import *  # noqa: E402, F403
+from cpu_engine import _init_dist  # noqa: E402, F401
 
 
 def serve_parser():
@@ -98,7 +113,6 @@ def v2_input_batch(sched, positions, pad=0):
     import dataclasses
 
     import numpy as np
-    import torch
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
     num_tokens = sum(n for _, _, n in sched)
@@ -124,6 +138,55 @@ def v2_forward_state(batch, aux):
     state.update(input_batch=batch, hidden_states=aux[-1], aux_hidden_states=aux)
     state.update(finished_req_ids=set(), num_spec_tokens_to_schedule=0)
     return ExecuteModelState(**state)
+
+
+def schedule_positions(sched, pad=0):
+    """The token positions of a schedule ``[(req_id, start, count)]`` in batch order, then
+    ``pad`` zeros (padding tokens, as CUDA graphs pad)."""
+    return torch.cat(
+        [torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad, dtype=torch.long)]
+    )
+
+
+class V1Runner:
+    """vLLM's own V1 ``GPUModelRunner`` with the plugin's patch: its patched ``_model_forward``
+    runs inside vLLM's own ``KVConnectorModelRunnerMixin`` hooks (:func:`runner_step`), and
+    hands the rows to the process's KV transfer group through the hook, as on the GPU. The
+    one fake is the GPU's model, which returns the step's aux hidden states (one tensor per
+    layer, ascending), padding rows included. ``connector`` is the worker-side connector."""
+
+    def __init__(self, connector, vllm_config):
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from vllm_gdn_hs.patch import patch_worker_gpu_model_runner
+
+        self.connector, self.vllm_config = connector, vllm_config
+        self.runner = object.__new__(GPUModelRunner)
+        patch_worker_gpu_model_runner.set_up_extraction(self.runner, vllm_config)
+
+    def step(self, scheduler_output, sched, aux, pad=0):
+        """One step: ``sched`` as for :func:`v2_input_batch`; ``aux`` the model's aux hidden
+        states, one tensor per layer (ascending), a row per scheduled token plus ``pad``."""
+        from types import SimpleNamespace
+
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        def model(input_ids, positions, intermediate_tensors, inputs_embeds):  # the GPU's
+            return aux[-1], aux
+
+        counts = torch.tensor([0, *(n for _, _, n in sched)], dtype=torch.int32)
+        self.runner.model = model
+        self.runner.input_batch = SimpleNamespace(
+            req_ids=[r for r, _, _ in sched], num_reqs=len(sched)
+        )
+        self.runner.query_start_loc = SimpleNamespace(cpu=counts.cumsum(0).to(torch.int32))
+        positions = schedule_positions(sched, pad)
+        return runner_step(
+            self.connector,
+            scheduler_output,
+            self.vllm_config,
+            lambda: GPUModelRunner._model_forward(self.runner, input_ids=None, positions=positions),
+        )
 
 
 class V2Runner:
@@ -164,16 +227,12 @@ class V2Runner:
         states, one tensor per layer (ascending), a row per scheduled token plus ``pad``."""
         from unittest import mock
 
-        import torch
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
         with self.agent():
             if not scheduler_output.total_num_scheduled_tokens:
                 return self.kv.no_forward(scheduler_output)
-            positions = torch.cat(
-                [torch.arange(s, s + n) for _, s, n in sched] + [torch.zeros(pad, dtype=torch.long)]
-            )
-            batch = v2_input_batch(sched, positions, pad)
+            batch = v2_input_batch(sched, schedule_positions(sched, pad), pad)
 
             def forward(runner, *args, **kwargs):  # the edge: V2's forward pass on the GPU
                 runner.execute_model_state = v2_forward_state(batch, aux)

@@ -6,10 +6,11 @@ Request ids are formed as each entry point forms them (``cmpl-<id>-<i>`` for com
 ``InputProcessor.assign_request_id`` (random suffix, or none under
 VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1). The requests run through the real Scheduler; its
 connector metadata drives a worker-side connector whose rows are written to real files. The
-rows reach it as the V1 runner patch hands them over and, where Model Runner V2 is patched,
-through the patched V2 ``execute_model`` between vLLM's own V2 connector hooks (with padding
-rows after the scheduled ones, as CUDA graphs pad). The only fake is the GPU: each step's
-rows are made up from the scheduled positions. Faults are
+rows reach it through the patched model runner, as on the GPU: V1's ``_model_forward``
+inside vLLM's own ``KVConnectorModelRunnerMixin`` hooks (``harness.V1Runner``) and, where
+Model Runner V2 is patched, V2's ``execute_model`` between vLLM's own V2 connector hooks
+(``harness.V2Runner``), with padding rows after the scheduled ones, as CUDA graphs pad. The
+only fake is the GPU's model: each step's rows are made up from the scheduled positions. Faults are
 injected at each per-request stage (path, lock, host buffers, drain, write). The pass:
 nothing is created outside the folder, no exception reaches vLLM, and every other request
 in the same steps still gets its file.
@@ -88,8 +89,9 @@ class Engine:
         harness._init_dist(self.cfg)
         with set_current_vllm_config(self.cfg):
             self.worker = HybridHiddenStatesConnector(self.cfg, KVConnectorRole.WORKER)
-        # "v2": the rows go through the patched Model Runner V2 execute_model instead
-        self.v2 = harness.V2Runner(self.worker, self.cfg) if runner == "v2" else None
+        # The patched runner that hands the rows over: V1's _model_forward or V2's execute_model
+        runners = {"v1": harness.V1Runner, "v2": harness.V2Runner}
+        self.runner = runners[runner](self.worker, self.cfg)
         self.hidden = self.cfg.model_config.get_hidden_size()
         self.L = len(self.worker.layer_ids)
         self.outputs: dict[str, object] = {}
@@ -105,32 +107,17 @@ class Engine:
     def step(self) -> None:
         so = self.sched.schedule()
         ids = list(so.num_scheduled_tokens)
-        positions, qsl, starts, counts = [], [0], [], []
+        sched = []  # (req_id, start, count) in batch order
         for rid in ids:
             n = so.num_scheduled_tokens[rid]
-            start = self.sched.requests[rid].num_computed_tokens - n
-            positions += range(start, start + n)
-            qsl.append(qsl[-1] + n)
-            starts.append(start)
-            counts.append(n)
-
+            sched.append((rid, self.sched.requests[rid].num_computed_tokens - n, n))
+        # The GPU's forward pass: every layer's row at position p is p + 1; then two NaN
+        # padding rows, as CUDA graphs pad (they must never reach a file).
         self.metas.append(so.kv_connector_metadata)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        rows = (pos + 1 + self.offset).to(torch.bfloat16)[:, None, None]
-        rows = rows.expand(-1, self.L, self.hidden)
-
-        def forward():  # the V1 runner patch hands the step's rows over in the forward pass
-            self.worker.save_hidden_states(
-                rows.contiguous(), ids, torch.tensor(qsl, dtype=torch.int32), pos
-            )
-
-        if self.v2 is not None:
-            sched = list(zip(ids, starts, counts, strict=True))
-            nan = torch.full((2, self.hidden), float("nan")).bfloat16()  # CUDA-graph padding
-            aux = [torch.cat([rows[:, k], nan]) for k in range(self.L)]
-            self.v2.step(so, sched, aux, pad=2)
-        else:
-            harness.runner_step(self.worker, so, self.cfg, forward)
+        pos = harness.schedule_positions(sched)
+        rows = (pos + 1 + self.offset).to(torch.bfloat16)[:, None].expand(-1, self.hidden)
+        nan = torch.full((2, self.hidden), float("nan")).bfloat16()
+        self.runner.step(so, sched, [torch.cat([rows, nan])] * self.L, pad=2)
         tokens = [[] if self.sched.requests[r].is_prefill_chunk else [7] for r in ids]
         out = harness.model_runner_output(ids, tokens)
         for eco in self.sched.update_from_output(so, out).values():
@@ -173,10 +160,21 @@ def assert_file(eng: Engine, rid: str, folder) -> None:
     assert torch.equal(data["hidden_states"][:, 0, 0], torch.arange(1, n + 1).bfloat16())
 
 
-def only_the_folder(root) -> None:
-    """Nothing was created anywhere but in root/hs."""
+def naive_targets(folder: str, request_ids) -> list[str]:
+    """Where each request id would land if it were joined to the folder as a path, for those
+    that would leave it (``../../outside/x`` from root/hs is root's parent's outside/x)."""
+    targets = [os.path.normpath(os.path.join(folder, r)) for r in request_ids if "\x00" not in r]
+    # the folder itself and its ancestors (".", "..", "/", "") are no file that could be made
+    return [t for t in targets if os.path.commonpath([t, folder]) not in (t, folder)]
+
+
+def only_the_folder(root, request_ids=()) -> None:
+    """Nothing was created anywhere but in root/hs: not where ``../..`` or an absolute id
+    leads, taken as a path from the folder."""
     assert sorted(os.listdir(root)) == ["hs"]
-    assert not os.path.exists(_ABS) and not os.path.exists("/outside")
+    assert not os.path.exists(_ABS) and not os.path.exists(root.parent / "outside")
+    leaked = [t for t in naive_targets(str(root / "hs"), request_ids) if os.path.lexists(t)]
+    assert not leaked
     assert not [n for n in os.listdir(root / "hs") if files.is_temp(n) is not None]
 
 
@@ -200,7 +198,10 @@ def test_hostile_ids_in_every_entry_point_stay_in_the_folder(
     names = os.listdir(root / "hs")
     assert len([n for n in names if n.endswith(files.SUFFIX)]) == len(normal + hostile)
     assert all(len(n.encode()) + len(".lock") <= 255 for n in names)
-    only_the_folder(root)
+    escaping = naive_targets(str(root / "hs"), hostile)  # the ids that would escape as paths
+    assert str(root.parent / "outside" / "x") in escaping or randomized
+    assert any(t.startswith(str(root.parent / "outside" / "x")) for t in escaping)
+    only_the_folder(root, hostile)
 
 
 def test_file_names_are_injective_and_safe():

@@ -3,7 +3,8 @@
 Run: python -m pytest tests/test_launch.py -q (needs no GPU, no network).
 Covers parity with speculators' scripts/launch_vllm.py (options, defaults, layer ids, `--`
 passthrough, the command it builds), hybrid/dense and multimodal/text-only configs, the flags
-we add and the user flags that win or are refused, and every bad input's message.
+we add and the user flags that win or are refused, every bad input's message, and the checks
+before vLLM starts (the folder, the GPU). A hub id without network: tests/test_offline.py.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import dense_config_dict, hybrid_config_dict, write_config
 
-from vllm_gdn_hs import launch, serve_args
-from vllm_gdn_hs.testing import dense_config_dict, hybrid_config_dict, write_config
+from vllm_gdn_hs import files, launch, serve_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +39,20 @@ def no_exec(monkeypatch):
     monkeypatch.setattr(launch.os, "execvp", refuse)
     # flashinfer present, unless a test says otherwise (see test_triton_gdn_prefill_*).
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: True)
+
+
+@pytest.fixture(autouse=True)
+def storage_checks(monkeypatch, tmp_path):
+    """The launcher's folder check, for real under tmp_path; other folders (the default
+    /tmp/hidden_states, "/x") are recorded, not made. Returns the paths checked."""
+    seen, real = [], files.check_storage_path
+
+    def check(path):
+        seen.append(path)
+        return real(path) if path.startswith(str(tmp_path)) else None
+
+    monkeypatch.setattr(files, "check_storage_path", check)
+    return seen
 
 
 @pytest.fixture
@@ -311,6 +326,7 @@ def test_printed_command_pastes_into_a_shell(capsys, hybrid, tmp_path):
 
 def test_main_execs_the_command(capsys, monkeypatch, hybrid):
     calls = []
+    monkeypatch.setattr(launch, "gpu_visible", lambda: True)
     monkeypatch.setattr(launch.os, "execvp", lambda file, args: calls.append((file, args)))
     assert launch.main([hybrid, "--", "--port", "9000"]) == 0
     printed = shlex.split(capsys.readouterr().out.splitlines()[-1])
@@ -521,7 +537,25 @@ def test_no_include_last_layer_with_out_of_range(capsys, hybrid):
 
 def test_non_integer_layer_id(capsys, hybrid):
     err = fail(capsys, hybrid, "--target-layer-ids", "two")
-    assert "invalid int value: 'two'" in err
+    assert "'two': give integer layer ids separated by spaces or commas" in err
+    err = fail(capsys, hybrid, "--target-layer-ids", "1,x")
+    assert "'1,x': give integer layer ids" in err
+
+
+@pytest.mark.parametrize("ids", [["1,3,5"], ["1", "3", "5"], ["1,", "3, 5"], ["1, 3", "5"]])
+def test_layer_ids_with_spaces_or_commas(capsys, hybrid, ids):
+    assert spec_ids(dry_run(capsys, hybrid, "--target-layer-ids", *ids)) == [1, 3, 5, 8]
+
+
+def test_out_of_range_id_warns_of_nothing_else(capsys, tmp_path):
+    """An id past the last layer is an error, with no warning about the ids before it (which
+    once said "the trainer would take layer 64, not 65": 64 was appended, 65 refused)."""
+    model = write_config(str(tmp_path / "m64"), hybrid_config_dict(64))
+    err = fail(capsys, model, "--target-layer-ids", "2", "32", "65")
+    assert err == (
+        "error: layer ids [65] are out of range: this model has 64 layers, so ids must be in "
+        "0..64 (id 64 is the last layer's output, before the final norm)\n"
+    )
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "redis", "File"])
@@ -548,6 +582,49 @@ def test_fp8_backend_as_speculators_names_it(capsys, hybrid):
     assert "use --hidden-states-backend fp8 instead" in err
 
 
+# --- Checks before vLLM starts --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_unwritable_folder_is_refused_before_vllm(capsys, hybrid, tmp_path, monkeypatch, dry):
+    monkeypatch.setattr(launch, "gpu_visible", lambda: True)
+    (tmp_path / "a_file").write_text("")
+    folder = str(tmp_path / "a_file" / "hs")
+    rc = launch.main([hybrid, "--hidden-states-path", folder, *(["--dry-run"] if dry else [])])
+    captured = capsys.readouterr()
+    assert rc == 2 and "Running command" not in captured.out  # no_exec: execvp not reached
+    assert captured.err.startswith(f"error: --hidden-states-path {folder} is not writable (")
+    assert "Not a directory" in captured.err
+    assert "pass a folder this user can write to" in captured.err
+
+
+def test_folder_is_made_and_checked(capsys, hybrid, tmp_path, storage_checks):
+    folder = tmp_path / "new" / "hs"
+    dry_run(capsys, hybrid, "--hidden-states-path", str(folder))
+    assert storage_checks == [str(folder)] and folder.is_dir() and not list(folder.iterdir())
+
+
+def test_no_gpu_is_said_in_one_line(capsys, hybrid, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "gpu_visible", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    rc = launch.main([hybrid, "--hidden-states-path", str(tmp_path / "hs")])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err == (
+        "error: no GPU is visible here (CUDA_VISIBLE_DEVICES=''): vllm serve needs one; run on "
+        "a GPU machine, or add --dry-run to print the command\n"
+    )
+    assert launch.main([hybrid, "--dry-run", "--hidden-states-path", str(tmp_path / "hs")]) == 0
+
+
+def test_gpu_visible_is_torchs_answer(monkeypatch):
+    import torch
+
+    for seen in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda seen=seen: seen)
+        assert launch.gpu_visible() is seen
+
+
 def test_missing_model_argument(capsys):
     err = fail(capsys)
     assert "the following arguments are required: model" in err
@@ -562,12 +639,13 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_script_dry_run(hybrid):
+def test_script_dry_run(hybrid, tmp_path):
+    hs = str(tmp_path / "hs")
     p = run(
         "launch/launch_vllm.py",
         hybrid,
         "--hidden-states-path",
-        "/data/hs",
+        hs,
         "--dry-run",
         "--",
         "--port",
@@ -577,7 +655,7 @@ def test_script_dry_run(hybrid):
     cmd = shlex.split(p.stdout.strip().splitlines()[-1])
     assert cmd[2:5] == ["vllm.entrypoints.cli.main", "serve", hybrid]
     assert spec_ids(cmd) == [2, 4, 5, 8]
-    assert kv_config(cmd)["kv_connector_extra_config"]["shared_storage_path"] == "/data/hs"
+    assert kv_config(cmd)["kv_connector_extra_config"]["shared_storage_path"] == hs
     assert tail(cmd) == ["--no-enable-prefix-caching", "--language-model-only", "--port", "8001"]
 
 
@@ -593,10 +671,12 @@ def test_script_usage_names_launch_vllm():
     assert p.returncode == 0 and p.stdout.startswith("usage: launch_vllm.py ")
 
 
-def test_cli_launch_dry_run(text_hybrid):
+def test_cli_launch_dry_run(text_hybrid, tmp_path):
+    hs = str(tmp_path / "hs")
     p = run(
-        "-m", "vllm_gdn_hs.cli", "launch", text_hybrid, "--target-layer-ids", "1", "2", "--dry-run"
-    )
+        "-m", "vllm_gdn_hs.cli", "launch", text_hybrid, "--target-layer-ids", "1,2", "--dry-run",
+        "--hidden-states-path", hs,
+    )  # fmt: skip
     assert p.returncode == 0, p.stderr
     cmd = shlex.split(p.stdout.strip().splitlines()[-1])
     assert spec_ids(cmd) == [1, 2, 8]

@@ -27,13 +27,13 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 import pipeline  # noqa: E402  (tests/gpu/pipeline.py)
 import soak  # noqa: E402
-
-from vllm_gdn_hs.testing import hybrid_config_dict, write_config  # noqa: E402
+from tiny_models import hybrid_config_dict, write_config  # noqa: E402
 
 CONVERSATIONS = 40
-RENDER = """
+RENDER = f"""
 import sys
-import vllm_gdn_hs.cpu_engine  # vLLM's CPU platform: no GPU here
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import cpu_engine  # tests/cpu_engine.py: vLLM's CPU platform, no GPU here
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", "launch", "render", *sys.argv[1:]]
 main()

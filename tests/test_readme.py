@@ -3,15 +3,18 @@
 The README's shell commands, run against a tiny model, so that they keep matching the CLI.
 
 The fenced (and indented) shell blocks of README.md are split into commands. The README's model
-(``Qwen/Qwen3.6-27B``) becomes a tiny hybrid model folder (config only, 64 layers as in
-Qwen3.6-27B, so the README's layer ids stay valid) and its folder (``/data/hidden_states``) a
-temp folder. Then every command that needs no GPU runs: each ``vllm-gdn-hs launch`` with
-``--dry-run`` (it must print a pastable ``vllm serve`` command that vLLM's own parser takes, and
-the output shown in the README), ``vllm-gdn-hs doctor`` (it writes up to 1 GiB as its speed
-probe), ``vllm-gdn-hs check`` on a folder holding one file, and the Python block that reads a
-file. The commands that need a GPU, a server or the network (``demo``, ``curl``, ``pip``,
-``git``, the test suites) are checked offline for what can be checked. The option tables must
-name every option of the launcher and of the connector, with the code's defaults.
+(``Qwen/Qwen3.6-27B``) and the folder its config is downloaded to (``qwen3.6-config``) become a
+folder holding only Qwen3.6-27B's config.json (benchmarks/qwen3.6-27b-config.json: its published
+dimensions), as a new user's CPU machine has after ``hf download ... config.json``; the
+hidden-states folder (``/data/hidden_states``) becomes a temp folder. Then every command that
+needs no GPU runs: each ``vllm-gdn-hs launch`` with ``--dry-run`` (it must print a pastable
+``vllm serve`` command that vLLM's own parser takes, and the output shown in the README),
+``vllm-gdn-hs doctor`` (it writes up to 1 GiB as its speed probe), ``vllm-gdn-hs check`` on a
+folder holding one file, and the Python block that reads a file. The commands that need a GPU,
+a server or the network (``demo``, ``curl``, ``git``, ``pip``/``uv``, ``hf``, the test suites)
+are checked offline for what can be checked. The install must pin a supported vLLM; the README
+names the supported range, not every release. The option tables must name every option of the
+launcher and of the connector, with the code's defaults.
 """
 
 from __future__ import annotations
@@ -26,23 +29,26 @@ import sys
 from importlib import metadata
 
 import pytest
+from tiny_models import build_tiny_hybrid
 
 from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
 from vllm_gdn_hs.launch import make_parser, parse_args
-from vllm_gdn_hs.testing import build_tiny_hybrid, hybrid_config_dict, write_config
 from vllm_gdn_hs.version import RELEASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
-CI_COMMAND = "pip install -e '.[dev]' && python -m pytest tests -m \"not gpu\""  # CI runs it
-MODEL = "Qwen/Qwen3.6-27B"  # the README's model, replaced by the tiny one
+CI_COMMAND = 'python -m pytest tests -m "not gpu"'  # the CPU suite, as .ci/run runs it
+MODEL = "Qwen/Qwen3.6-27B"  # the README's model, replaced by a folder with its config.json
+CONFIG_DIR = "qwen3.6-config"  # where the README downloads its config.json, replaced alike
+QWEN36_CONFIG = os.path.join(REPO, "benchmarks", "qwen3.6-27b-config.json")
+DEFAULT_FOLDER = "/tmp/hidden_states"  # the launcher's default, replaced by the temp folder
 FOLDER = "/data/hidden_states"  # the README's hidden-states folder, replaced by a temp one
 LAYERS = 64  # Qwen3.6-27B's
 SHELL = {"bash", "sh", "shell", "console"}
 # Commands shown but not run here (they need a GPU, a server, the network or change the
 # environment); each is checked in its own test below.
-NOT_RUN = {"git", "cd", "pip", "curl", "bash", "python", "speculators"}
+NOT_RUN = {"git", "cd", "pip", "uv", "source", "hf", "curl", "bash", "python", "speculators"}
 SUBCOMMANDS = {"launch", "doctor", "check", "demo"}
 # What the launcher adds where flashinfer is not installed (the README's shown output has not).
 NO_FLASHINFER = ["--additional-config", '{"gdn_prefill_backend": "triton"}']
@@ -133,16 +139,20 @@ def _cli(*args, cwd=None, timeout=120):
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict:
-    """The tiny model (config only) and the hidden-states folder that stand in for the README's."""
+    """A folder holding only Qwen3.6-27B's config.json, and the hidden-states folder, that stand
+    in for the README's."""
     root = tmp_path_factory.mktemp("readme")
-    model = write_config(str(root / "Qwen3.6-27B"), hybrid_config_dict(num_hidden_layers=LAYERS))
+    model = root / CONFIG_DIR
+    model.mkdir()
+    (model / "config.json").write_text(open(QWEN36_CONFIG).read())
     folder = root / "hidden_states"
     folder.mkdir()
-    return {"root": root, "model": model, "folder": str(folder)}
+    return {"root": root, "model": str(model), "folder": str(folder)}
 
 
 def substitute(words: list[str], places: dict) -> list[str]:
-    return [w.replace(MODEL, places["model"]).replace(FOLDER, places["folder"]) for w in words]
+    out = [w.replace(MODEL, places["model"]).replace(FOLDER, places["folder"]) for w in words]
+    return [places["model"] if w == CONFIG_DIR else w for w in out]
 
 
 # -- the README as a whole -----------------------------------------------------------------
@@ -150,7 +160,7 @@ def substitute(words: list[str], places: dict) -> list[str]:
 
 def test_readme_keeps_the_ci_command_verbatim():
     text = readme()
-    assert CI_COMMAND in text, "CI runs this line from the README: keep it exactly"
+    assert CI_COMMAND in text, "CI runs this command (.ci/run): keep it exactly"
     shell = [body for lang, body in blocks(text) if lang in SHELL or lang == ""]
     assert any(CI_COMMAND in body.splitlines() for body in shell), "keep it as a shell command"
 
@@ -185,32 +195,62 @@ def test_script_and_python_commands_exist():
     for cmd in commands():
         if cmd[0] == "bash":
             assert os.path.isfile(os.path.join(REPO, cmd[1])), cmd
+        elif cmd[0] == "source":
+            venvs = [c[3] for c in commands() if c[:3] == ["python", "-m", "venv"]]
+            assert cmd[1:] in ([f"{v}/bin/activate"] for v in venvs), (cmd, venvs)
         elif cmd[0] == "python":
-            # speculators' own launcher (the "before" of the migration), the CPU tests, or
-            # one of our scripts.
+            # speculators' own launcher (the "before" of the migration), the CPU tests, a
+            # virtualenv, or one of our scripts.
             ok = cmd[1].startswith("speculators/") or cmd[1:4] == ["-m", "pytest", "tests"]
+            ok = ok or (cmd[1:3] == ["-m", "venv"] and len(cmd) == 4)
             ours = cmd[1].startswith("tests/") and os.path.isfile(os.path.join(REPO, cmd[1]))
             assert ok or ours, f"README python command not covered: {cmd}"
 
 
-def test_pip_commands_pin_supported_vllm_releases():
+def installs() -> list[list[str]]:
+    """The README's ``pip install`` and ``uv pip install`` commands, as ``pip ...``."""
+    cmds = [c[1:] if c[:2] == ["uv", "pip"] else c for c in commands()]
+    return [c for c in cmds if c[:2] == ["pip", "install"]]
+
+
+def test_install_commands_pin_supported_vllm_releases():
+    """The install pins the newest supported vLLM (the README says so) and names the supported
+    range by its ends, not release by release; the override file it names exists."""
     text = readme()
-    pins = [
-        w.split("==", 1)[1]
-        for c in commands()
-        if c[0] == "pip"
-        for w in c
-        if w.startswith("vllm==")
-    ]
+    pins = [w.split("==", 1)[1] for c in installs() for w in c if w.startswith("vllm==")]
     assert pins, "the README's install must say how to choose the vLLM release (vllm==X)"
-    assert set(pins) <= set(RELEASES), f"README pins {pins}; supported: {RELEASES}"
-    for release in RELEASES:
-        assert release in text, f"README does not name supported vLLM {release}"
+    assert set(pins) == {RELEASES[-1]}, f"README pins {pins}; the newest supported: {RELEASES[-1]}"
+    assert f"{RELEASES[0]} to {RELEASES[-1]}" in text, "README: name the supported range"
+    for cmd in installs():
+        if "--override" in cmd:
+            with open(os.path.join(REPO, cmd[cmd.index("--override") + 1])) as f:
+                assert any(line.startswith("flashinfer-python==") for line in f), cmd
     extras = set(metadata.metadata("vllm-gdn-hs").get_all("Provides-Extra") or [])
-    for cmd in commands():
-        for word in cmd if cmd[0] == "pip" else ():
+    for cmd in installs():
+        for word in cmd:
             if m := re.fullmatch(r"\.\[(.+)\]", word):
                 assert set(m.group(1).split(",")) <= extras, (word, extras)
+    other = [c for c in commands() if c[0] == "uv" and c[:3] != ["uv", "pip", "install"]]
+    assert not other, other
+
+
+def test_git_clone_and_package_address():
+    """One clone address, used everywhere; the package is said not to be on PyPI."""
+    clones = [c for c in commands() if c[:2] == ["git", "clone"]]
+    assert len(clones) == 1 and clones[0][2].startswith("https://github.com/"), clones
+    assert "not on pypi" in readme().lower()
+    assert not [c for c in installs() if "vllm-gdn-hs" in c], "pip install vllm-gdn-hs fails"
+
+
+def test_config_download_feeds_the_dry_run():
+    """``hf download MODEL config.json --local-dir DIR``, then a dry run on DIR: the path a new
+    user takes on a CPU machine (the dry run itself runs in the launch tests below)."""
+    downloads = [c for c in commands() if c[0] == "hf"]
+    assert downloads == [["hf", "download", MODEL, "config.json", "--local-dir", CONFIG_DIR]]
+    assert any(c[2] == CONFIG_DIR and "--dry-run" in c for c in ours("launch"))
+    hf = os.path.join(os.path.dirname(sys.executable), "hf")
+    r = subprocess.run([hf, "download", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--local-dir" in r.stdout, r.stdout + r.stderr
 
 
 def test_speculators_commands_are_taken_by_speculators():
@@ -223,8 +263,8 @@ def test_speculators_commands_are_taken_by_speculators():
     cmds = [c for c in commands() if c[0] == "speculators"]
     subs = {c[1] for c in cmds}
     assert {"prepare-data", "generate-offline-data", "train"} <= subs, subs
-    launched = {tuple(c[c.index("--target-layer-ids") + 1 : c.index("--")]) for c in ours("launch")
-                if "--target-layer-ids" in c}  # fmt: skip
+    launched = {tuple(parse_args(c[2:]).target_layer_ids or ()) for c in ours("launch")}
+    launched = {tuple(map(str, ids)) for ids in launched}
     for cmd in cmds:
         argv = ["0" if w.startswith("$") else w for w in cmd[2:]]  # a shell variable: a rank
         if cmd[1] == "train":
@@ -256,8 +296,14 @@ def with_dry_run(argv: list[str]) -> list[str]:
 
 
 def dry_run(cmd: list[str], places: dict) -> list[str]:
-    """Run a README launch command with --dry-run; the printed command, split back."""
-    r = _cli(*with_dry_run(substitute(cmd[1:], places)), timeout=60)
+    """Run a README launch command with --dry-run; the printed command, split back. Without a
+    --hidden-states-path the temp folder is given, so that the launcher's check of the folder
+    makes none on this machine."""
+    argv = with_dry_run(substitute(cmd[1:], places))
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    if "--hidden-states-path" not in own:
+        argv = [*argv[:2], "--hidden-states-path", places["folder"], *argv[2:]]
+    r = _cli(*argv, timeout=60)
     assert r.returncode == 0, f"{shlex.join(cmd)}\n{r.stdout}{r.stderr}"
     lines = r.stdout.strip().splitlines()
     assert lines[0] == "Running command:", r.stdout
@@ -288,8 +334,8 @@ def test_launch_commands_print_a_vllm_serve_command(dry_runs, places):
         assert ids == want, (cmd, ids)
         kv = json.loads(opts["--kv_transfer_config"])
         assert kv["kv_connector"] == CONNECTOR_NAME
-        folder = places["folder"] if args.hidden_states_path == FOLDER else args.hidden_states_path
-        assert kv["kv_connector_extra_config"]["shared_storage_path"] == folder
+        assert args.hidden_states_path in (FOLDER, DEFAULT_FOLDER), args.hidden_states_path
+        assert kv["kv_connector_extra_config"]["shared_storage_path"] == places["folder"]
         after = cmd[cmd.index("--") + 1 :] if "--" in cmd else []
         for i, word in enumerate(after):  # the user's connector options are merged in
             if word == "--kv-transfer-config":
@@ -326,8 +372,7 @@ def test_readme_shows_the_launchers_real_output(places):
         ]
         assert len(before) == 1, "the shown output must follow its one launch command"
         real = dry_run(before[0], places)
-        text = found[i][1].splitlines()[-1].replace(MODEL, places["model"])
-        want = shlex.split(text.replace(FOLDER, places["folder"]))
+        want = substitute(shlex.split(found[i][1].splitlines()[-1]), places)
         assert want[0] == "python3"
         assert [w for w in real[1:] if w not in NO_FLASHINFER] == want[1:], (real, want)
 

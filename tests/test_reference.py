@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from tiny_models import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
 from vllm_gdn_hs.reference import (
     BAR_FACTOR,
@@ -23,7 +24,6 @@ from vllm_gdn_hs.reference import (
     within_bar,
     worst_by_layer,
 )
-from vllm_gdn_hs.testing import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
 BUILD = {"hybrid": build_tiny_hybrid, "dense": build_tiny_dense, "deep": build_deep_hybrid}
 LAYERS = {"hybrid": [1, 6, 3, 8, 4], "dense": [8, 1, 4, 2], "deep": [1, 3, 6, 9, 11, 12]}

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 import soak  # noqa: E402  (tests/gpu/soak.py)
+from tiny_models import hybrid_config_dict, write_config
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.config import request_params
-from vllm_gdn_hs.testing import hybrid_config_dict, write_config
 
 TEXTS = ["hi", "héllo wörld 名前 🙂", "a\nb\tc <|im_end|> {{ x }}", "x" * 300]
 
@@ -234,8 +234,9 @@ def test_check_is_parsed(tmp_path):
 
 def test_a_file_is_checked_with_the_hf_reference(tmp_path):
     """The soak's read-and-check of one file with the real HFReference (CPU here)."""
+    from tiny_models import build_tiny_hybrid
+
     import vllm_gdn_hs.reference as reference
-    from vllm_gdn_hs.testing import build_tiny_hybrid
 
     if not hasattr(reference, "HFReference"):
         pytest.skip("vllm_gdn_hs.reference.HFReference not there yet")
@@ -392,10 +393,10 @@ class FakeReference:
 def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     """soak.main from the model build to soak.json, with the server, the model and the
     reference faked; a server that writes where an escaping id points must fail it."""
+    import tiny_models
     from transformers import AutoTokenizer
 
     import vllm_gdn_hs.reference
-    import vllm_gdn_hs.testing
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -403,7 +404,7 @@ def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     monkeypatch.setattr(soak, "LOCK_GRACE_S", 0)
     monkeypatch.setattr(vllm_gdn_hs.reference, "HFReference", lambda *a, **kw: FakeReference())
     build = lambda path: write_config(path, hybrid_config_dict())  # noqa: E731
-    monkeypatch.setattr(vllm_gdn_hs.testing, "build_tiny_hybrid", build)
+    monkeypatch.setattr(tiny_models, "build_tiny_hybrid", build)
     servers = []
 
     def start_server(model_dir, folder, log, cwd):

@@ -17,18 +17,14 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import build_tiny_dense, build_tiny_hybrid, dense_config_dict
 
 from vllm_gdn_hs.check import scan
+from vllm_gdn_hs.checkpoint import load_text_model
 from vllm_gdn_hs.cli import main
 from vllm_gdn_hs.files import release_lock, request_path, take_lock, write_file
 from vllm_gdn_hs.reference import HFReference
 from vllm_gdn_hs.spot_check import run_spot_check, sample
-from vllm_gdn_hs.testing import (
-    build_tiny_dense,
-    build_tiny_hybrid,
-    dense_config_dict,
-    load_text_model,
-)
 
 LAYERS = [1, 3, 6, 8]
 _rng = random.Random(5)
@@ -62,14 +58,18 @@ def _folder(root, hf_bf16, change=None) -> str:
     return folder
 
 
-def _check(capsys, folder, model, *extra) -> tuple[int, str]:
-    args = ["check", folder, "--reference", model, "--layer-ids", ",".join(map(str, LAYERS))]
+def _check(capsys, folder, model, *extra, ids=None) -> tuple[int, str]:
+    ids = ids or [",".join(map(str, LAYERS))]
+    args = ["check", folder, "--reference", model, "--layer-ids", *ids]
     status = main(args + list(extra))
     return status, capsys.readouterr().out
 
 
-def test_correct_files_pass(tmp_path, model, hf_bf16, capsys):
-    status, out = _check(capsys, _folder(tmp_path, hf_bf16), model)
+@pytest.mark.parametrize(
+    "ids", [["1,3,6,8"], ["1", "3", "6", "8"], ["1, 3", "6,8"]], ids=["commas", "spaces", "both"]
+)
+def test_correct_files_pass(tmp_path, model, hf_bf16, capsys, ids):
+    status, out = _check(capsys, _folder(tmp_path, hf_bf16), model, ids=ids)
     assert status == 0, out
     assert f"{len(PROMPTS)} of the complete files" in out
     assert out.count("within the per-file bound") == len(PROMPTS)

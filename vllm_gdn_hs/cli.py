@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _layer_ids(text: str) -> list[int]:
-    """Comma-separated integers; their range is the model's (model_info.validate_layer_ids)."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give comma-separated integers, e.g. 1,16,31"
-        ) from None
+from vllm_gdn_hs.model_info import flat, layer_ids_arg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="check the install; works without a GPU")
-    doc.add_argument("--model", help="a HF model folder to inspect (hybrid? layers? hidden size?)")
+    doc.add_argument(
+        "--model",
+        help="a HF model folder or hub id to inspect (hybrid? layers? hidden size?); a hub id "
+        "is read from the local HF cache, or its config.json downloaded",
+    )
     doc.add_argument(
         "--hidden-states-path",
         help="the folder files will go to: writable? free space? write speed (writes 1 GiB)?",
@@ -56,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         "served weights): fp32 is the truth, each file's error at most 3x HF bf16's",
     )
     chk.add_argument(
-        "--layer-ids", type=_layer_ids, help="with --reference: the layer ids served, e.g. 1,16,31"
+        "--layer-ids",
+        type=layer_ids_arg,
+        nargs="+",
+        help="with --reference: the layer ids served, e.g. 1 16 31 or 1,16,31",
     )
     chk.add_argument("--files", type=int, default=8, help="with --reference: files to sample")
     chk.add_argument(
@@ -72,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--workdir", default="/tmp/vllm_gdn_hs_demo")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        args.layer_ids = flat(args.layer_ids)
     if args.command == "doctor":
         from vllm_gdn_hs.doctor import run_doctor
 

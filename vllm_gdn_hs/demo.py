@@ -11,6 +11,87 @@ from __future__ import annotations
 import os
 import random
 
+# Image/video ids must lie inside the vocabulary for vLLM to load the model.
+_VOCAB = 1024
+_MM_IDS = dict(
+    image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003
+)
+
+
+def tiny_hybrid_config(
+    num_hidden_layers: int = 8,
+    hidden_size: int = 256,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+) -> dict:
+    """A tiny Qwen3.5 config (``Qwen3_5ForConditionalGeneration``: GDN layers with a full-attention
+    layer every 4th, and a tiny vision tower vLLM skips with ``language_model_only=True``); GDN
+    key and value heads of 64 dims (value heads a multiple of key heads)."""
+    layer_types = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+        for i in range(num_hidden_layers)
+    ]
+    text = dict(
+        model_type="qwen3_5_text",
+        vocab_size=_VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        layer_types=layer_types,
+        attn_output_gate=True,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000000.0,
+            partial_rotary_factor=0.25,
+            mrope_interleaved=True,
+            mrope_section=[4, 2, 2],
+        ),
+        dtype="bfloat16",
+    )
+    vision = dict(
+        model_type="qwen3_5_vision",
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=hidden_size,
+        num_position_embeddings=64,
+    )
+    return dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        **_MM_IDS,
+    )
+
+
+def build_tiny_hybrid(path: str, **kw) -> str:
+    """A model folder with :func:`tiny_hybrid_config` and random bf16 weights (seed 0)."""
+    from vllm_gdn_hs.checkpoint import save_random_checkpoint
+
+    return save_random_checkpoint(path, tiny_hybrid_config(**kw))
+
+
 LAYERS = [1, 4, 6, 8]
 PROMPT_LENS = [1, 17, 100, 700, 1500]
 BAR = 0.03
@@ -35,7 +116,6 @@ def run_demo(workdir: str) -> int:
         load_hf_model,
         relative_errors,
     )
-    from vllm_gdn_hs.testing import build_tiny_hybrid
 
     model = build_tiny_hybrid(os.path.join(workdir, "tiny-qwen3.5-hybrid"))
     storage = os.path.join(workdir, "hidden_states")

@@ -29,6 +29,8 @@ from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.model_info import (
     ModelInfo,
     default_layer_ids,
+    flat,
+    layer_ids_arg,
     read_model_info,
     validate_layer_ids,
 )
@@ -60,6 +62,18 @@ class FileBackend:
             default="/tmp/hidden_states",
             help="The directory to save hidden states to. Default '/tmp/hidden_states'",
         )
+
+    @staticmethod
+    def check_storage(args: argparse.Namespace) -> None:
+        """The folder must take files before vLLM starts (it is made if missing)."""
+        from vllm_gdn_hs.files import check_storage_path
+
+        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
+        if why := check_storage_path(path):
+            raise LaunchError(
+                f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
+                "can write to"
+            )
 
     @classmethod
     def build_kv_transfer_config(cls, args: argparse.Namespace, user: dict) -> dict:
@@ -135,9 +149,9 @@ def make_parser(prog: str = "launch_vllm.py") -> argparse.ArgumentParser:
         add_launch_args(parser)  # once each: fp8 has the file backend's options
     parser.add_argument(
         "--target-layer-ids",
-        type=int,
+        type=layer_ids_arg,
         nargs="+",
-        help="(Optional) A (space separated) list of integer layer ids. Defaults to "
+        help="(Optional) A list of integer layer ids, separated by spaces or commas. Defaults to "
         "[2, num_hidden_layers // 2, num_hidden_layers - 3]. Note: if set, you must also "
         "pass the same value into the training process",
     )
@@ -170,48 +184,50 @@ def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namesp
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
     args, unknown = make_parser(prog).parse_known_args(argv)
+    args.target_layer_ids = flat(args.target_layer_ids)
     args.vllm_args = [*unknown, *after]
     return args
 
 
 def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
-    """speculators' rule: defaults, or the user's ids plus the last layer."""
+    """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
+    first, so a warning never speaks of an id that is then refused."""
     n = num_hidden_layers
+    ids = list(args.target_layer_ids or default_layer_ids(n))
+    if args.target_layer_ids and args.include_last_layer and n not in ids:
+        ids.append(n)
+    try:
+        ids = validate_layer_ids(ids, n)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     if not args.target_layer_ids:
-        ids = default_layer_ids(n)
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
             print(
                 f"warning: --no-include-last-layer applies only to --target-layer-ids; the "
                 f"default ids {ids} end with the last layer. To leave it out, pass the ids.",
                 file=sys.stderr,
             )
-    else:
-        ids = list(args.target_layer_ids)
-        if args.include_last_layer and n not in ids:
-            ids.append(n)
+        return ids
+    print(
+        f"warning: using custom target layer ids {ids}. Pass the same ids, without the "
+        f"last one ({ids[-1]}), to the training script: it takes the last layer of each "
+        "file as the verifier's hidden state.",
+        file=sys.stderr,
+    )
+    if ids[-1] != max(ids):  # files keep this order: the trainer's verifier is ids[-1]
         print(
-            f"warning: using custom target layer ids {ids}. Pass the same ids, without the "
-            f"last one ({ids[-1]}), to the training script: it takes the last layer of each "
-            "file as the verifier's hidden state.",
+            f"warning: the layer ids {ids} do not end with the deepest one, so the trainer "
+            f"would take layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; "
+            "list them in increasing order unless that is meant.",
             file=sys.stderr,
         )
-        if ids[-1] != max(ids):  # files keep this order: the trainer's verifier is ids[-1]
-            print(
-                f"warning: the layer ids {ids} do not end with the deepest one, so the trainer "
-                f"would take layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; "
-                "list them in increasing order unless that is meant.",
-                file=sys.stderr,
-            )
-        elif ids != sorted(ids):
-            print(
-                f"warning: the layer ids {ids} are not in increasing order; the files keep "
-                "this order, so the trainer's auxiliary layers come in it too.",
-                file=sys.stderr,
-            )
-    try:
-        return validate_layer_ids(ids, n)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
+    elif ids != sorted(ids):
+        print(
+            f"warning: the layer ids {ids} are not in increasing order; the files keep "
+            "this order, so the trainer's auxiliary layers come in it too.",
+            file=sys.stderr,
+        )
+    return ids
 
 
 def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
@@ -254,6 +270,27 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     ]
 
 
+def gpu_visible() -> bool:
+    """Whether torch sees a GPU here (CUDA_VISIBLE_DEVICES applies)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """What would make ``vllm serve`` fail after minutes, checked before it starts: the
+    hidden-states folder (with --dry-run too), and, unless --dry-run, a visible GPU."""
+    BACKENDS[args.hidden_states_backend].check_storage(args)
+    if not args.dry_run and not gpu_visible():
+        cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise LaunchError(
+            "no GPU is visible here"
+            + (f" (CUDA_VISIBLE_DEVICES={cuda!r})" if cuda is not None else "")
+            + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the "
+            "command"
+        )
+
+
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -262,6 +299,7 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
         return e.code if isinstance(e.code, int) else 2
     try:
         cmd = build_command(args)
+        preflight(args)
     except ValueError as e:  # LaunchError, ModelConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2

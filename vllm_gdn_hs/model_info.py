@@ -48,18 +48,92 @@ class ModelInfo:
         return bool(self.linear_layers)
 
 
-def _load_config_dict(model: str, trust_remote_code: bool = False) -> dict:
-    path = os.path.join(model, "config.json")
+# One probe of the hub, without retries: a machine without network says so at once.
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_fix(model: str) -> str:
+    """What to do when a hub id's config cannot be had: the words every command uses."""
+    return (
+        f"pass the model's folder instead, or download its config.json first (`hf download "
+        f"{model} config.json --local-dir DIR`, then pass DIR; enough for --dry-run and doctor)"
+    )
+
+
+def cached_model_folder(model: str) -> str | None:
+    """A hub id's snapshot folder in the local HF cache, or None (nothing is downloaded)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception:  # not a hub id, not in the cache, or no huggingface_hub
+        return None
+
+
+def _probe_hub(model: str) -> None:
+    """One request for the config's metadata, no retries: a hub that cannot be reached, or
+    that does not serve ``model``, raises ModelConfigError naming the fix at once (hub
+    downloads retry for about 20 s before they fail)."""
+    import inspect
+
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
+    if constants.HF_HUB_OFFLINE:
+        raise ModelConfigError(
+            f"{model!r} is no local folder and not in the local HF cache, and HF_HUB_OFFLINE "
+            f"is set: {hub_fix(model)}"
+        )
+    no_retry = {}
+    if "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters:
+        no_retry["retry_on_errors"] = False
+    try:
+        url = hf_hub_url(model, "config.json")
+        get_hf_file_metadata(url, timeout=HUB_PROBE_TIMEOUT_S, **no_retry)
+    except Exception as e:
+        answered = getattr(e, "response", None) is not None
+        why = (
+            f"the hub answered {str(e).splitlines()[0]}"
+            if answered
+            else f"cannot reach the HF hub at {constants.ENDPOINT} ({type(e).__name__})"
+        )
+        raise ModelConfigError(
+            f"{model!r} is no local folder and not in the local HF cache, and {why}: "
+            f"{hub_fix(model)}"
+        ) from None
+
+
+def _hub_config_path(model: str) -> str:
+    """config.json of a hub id: the local cache's, else downloaded after one probe."""
+    folder = cached_model_folder(model)
+    if folder and os.path.isfile(os.path.join(folder, "config.json")):
+        return os.path.join(folder, "config.json")
+    _probe_hub(model)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(model, "config.json")
+    except Exception as e:
+        raise ModelConfigError(
+            f"cannot download the config of {model!r} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}): {hub_fix(model)}"
+        ) from None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"cannot read {path}: {e}") from None
+
+
+def _load_config_dict(model: str) -> dict:
+    """The model's config.json as written (no code runs), from its folder or the hub."""
     if os.path.isdir(model):
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            raise ModelConfigError(
-                f"{model} has no config.json: is it a HF model folder?"
-            ) from None
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelConfigError(f"cannot read {path}: {e}") from None
+        path = os.path.join(model, "config.json")
+        if not os.path.exists(path):
+            raise ModelConfigError(f"{model} has no config.json: is it a HF model folder?")
+        return _read_json(path)
     if os.path.exists(model):
         raise ModelConfigError(f"{model} is not a folder: pass the model folder or a HF model id")
     if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
@@ -67,19 +141,13 @@ def _load_config_dict(model: str, trust_remote_code: bool = False) -> dict:
             f"model folder {model} does not exist: pass a HF model folder or a hub id such as "
             "Qwen/Qwen3.6-27B"
         )
-    try:  # A hub id: let transformers resolve it (cache or download).
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code).to_dict()
-    except Exception as e:
-        raise ModelConfigError(
-            f"cannot load the config of {model!r}: it is no local folder and transformers "
-            f"failed: {e}"
-        ) from None
+    return _read_json(_hub_config_path(model))
 
 
 def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
-    cfg = _load_config_dict(model, trust_remote_code)
+    """The model's shape from its config.json, read as JSON: ``trust_remote_code`` is taken
+    for speculators' interface, and no model code runs either way."""
+    cfg = _load_config_dict(model)
     text = cfg.get("text_config") or cfg
     try:
         n = int(text["num_hidden_layers"])
@@ -113,6 +181,34 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     """speculators' default target layers: [2, N // 2, N - 3, N]."""
     n = num_hidden_layers
     return [2, n // 2, n - 3, n]
+
+
+def parse_layer_ids(text: str) -> list[int]:
+    """Layer ids as typed: integers separated by commas, spaces or both ("1,16,31", "1 16 31",
+    "1, 16"); their range is the model's (:func:`validate_layer_ids`)."""
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(
+            f"{text!r}: give integer layer ids separated by spaces or commas, e.g. 1 16 31 or "
+            "1,16,31"
+        ) from None
+
+
+def layer_ids_arg(text: str) -> list[int]:
+    """An argparse ``type`` for layer ids given with spaces or commas (with ``nargs="+"``, then
+    :func:`flat`): ``--layer-ids 1,16,31`` and ``--layer-ids 1 16 31`` are the same."""
+    import argparse
+
+    try:
+        return parse_layer_ids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def flat(lists: list[list[int]] | None) -> list[int] | None:
+    """One list of ids from what ``nargs="+"`` with :func:`layer_ids_arg` collects."""
+    return None if lists is None else [i for ids in lists for i in ids]
 
 
 def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:

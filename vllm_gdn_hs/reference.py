@@ -56,10 +56,9 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
 
 
 def load_hf_model(model_dir: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """HF transformers' model for a folder built by :mod:`vllm_gdn_hs.testing`
-    (text-only: the language model of a multimodal checkpoint); fp32 upcasts the
-    same bf16 weights."""
-    from vllm_gdn_hs.testing import load_text_model
+    """HF transformers' model for a model folder (text-only: the language model of a
+    multimodal checkpoint); fp32 upcasts the same bf16 weights."""
+    from vllm_gdn_hs.checkpoint import load_text_model
 
     return load_text_model(model_dir, device, dtype)
 

@@ -38,14 +38,9 @@ def _read(path: str, max_tokens: int) -> dict:
 
 def model_folder(model: str) -> str | None:
     """A model folder, or a HF hub id's snapshot in the local cache (nothing is downloaded)."""
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
+    from vllm_gdn_hs.model_info import cached_model_folder
 
-        return snapshot_download(model, local_files_only=True)
-    except Exception:  # not a hub id, or not in the cache
-        return None
+    return model if os.path.isdir(model) else cached_model_folder(model)
 
 
 def run_spot_check(
@@ -67,7 +62,7 @@ def run_spot_check(
     if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
         print(
             f"error: {model} is no model folder with a config.json, nor a HF hub id in the local "
-            "cache; pass the served model's folder (or `huggingface-cli download` it first)",
+            "cache; pass the served model's folder (or `hf download` it first: the weights too)",
             file=sys.stderr,
         )
         return 2

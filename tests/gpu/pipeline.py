@@ -2,7 +2,7 @@
 vLLM, the plugin installed, speculators 0.9.0 + hs-connectors 0.9.0, transformers).
 
 speculators' real pipeline against ``vllm-gdn-hs launch`` on a tiny Qwen3.5 hybrid (built here
-with ``vllm_gdn_hs.testing``; a byte-level tokenizer built with ``tokenizers``, a chat template
+with ``tests/tiny_models.py``; a byte-level tokenizer built with ``tokenizers``, a chat template
 and Qwen3-VL processor files, as real Qwen3.5/3.6 checkpoints ship them). Nothing is
 downloaded; the chat dataset is written here from a fixed seed. Every speculators step is its
 0.9.0 package CLI (``python -m speculators ...``), not a copy of its ``scripts/``:
@@ -164,8 +164,7 @@ def write_processor_files(model_dir: str) -> str:
 def build_model(model_dir: str) -> str:
     """The tiny hybrid's weights, tokenizer, chat template and processor files."""
     from soak import build_tokenizer
-
-    from vllm_gdn_hs.testing import build_tiny_hybrid
+    from tiny_models import build_tiny_hybrid
 
     build_tokenizer(build_tiny_hybrid(model_dir))
     return write_processor_files(model_dir)

@@ -665,10 +665,10 @@ def final_item(seed: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    from tiny_models import build_tiny_hybrid
     from transformers import AutoTokenizer
 
     from vllm_gdn_hs.reference import HFReference, worst_by_layer
-    from vllm_gdn_hs.testing import build_tiny_hybrid
 
     t0 = time.monotonic()
     out = os.path.abspath(args.out)

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from tiny_models import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
 from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.files import hidden_states_of, load_hidden_states, lock_held, read_header
@@ -41,7 +42,6 @@ from vllm_gdn_hs.reference import (
     relative_errors,
     worst_by_layer,
 )
-from vllm_gdn_hs.testing import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
 pytestmark = pytest.mark.gpu
 

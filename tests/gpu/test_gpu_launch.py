@@ -24,10 +24,10 @@ import urllib.request
 
 import pytest
 from test_gpu_extract import assert_pooled, pooled_figures
+from tiny_models import build_tiny_hybrid
 
 from vllm_gdn_hs.files import load_hidden_states
 from vllm_gdn_hs.reference import HFReference, describe, describe_pooled, worst_by_layer
-from vllm_gdn_hs.testing import build_tiny_hybrid
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,103 @@
+"""A model folder's checkpoint as HF transformers sees it: its language model loaded from the
+safetensors (``check --reference``, the demo, the GPU suite's reference), and random weights
+saved in the same layout (the demo's tiny model).
+
+A multimodal (Qwen3.5/3.6) checkpoint keeps its language model under
+``model.language_model.``; transformers' text model names it ``model.``. Its vision tower and
+MTP weights are not the language model's: they are skipped on load, and never saved (vLLM
+runs such a model with ``language_model_only=True``, which builds no vision tower).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Multimodal checkpoints keep the language model under this prefix: (text model's, checkpoint's).
+_MM_PREFIX = ("model.", "model.language_model.")
+# Weights of a multimodal checkpoint that its language model does not use.
+_NOT_LANGUAGE_MODEL = ("model.visual.", "mtp.")
+
+
+def write_config(path: str, config: dict) -> str:
+    """A model folder with config.json only: enough for configs and dummy weights."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return path
+
+
+def text_model(config: dict):
+    """The HF causal LM of a config: its language model alone for multimodal configs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text = dict(config.get("text_config") or config)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(text.pop("model_type"), **text))
+
+
+def save_random_checkpoint(path: str, config: dict, seed: int = 0) -> str:
+    """A model folder holding ``config`` and random bf16 weights, built with transformers;
+    a multimodal config gets its language model's weights only, under the checkpoint's
+    names."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = text_model(config).to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if "vision_config" in config:
+        old, new = _MM_PREFIX
+        state = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in state.items()}
+    write_config(path, config)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a model folder: the index's shards, or the one file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json; pass the folder "
+            "of a HF checkpoint in safetensors"
+        )
+    return [single]
+
+
+def load_text_model(path: str, device: str = "cuda", dtype=None):
+    """The HF causal LM of a model folder (the language model of a multimodal one, whose
+    vision tower and MTP weights are skipped), in ``dtype`` (default bf16, as saved; fp32
+    upcasts the same bf16 weights). One or several safetensors shards."""
+    import torch
+    from safetensors.torch import load_file
+
+    dtype = dtype or torch.bfloat16
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    model = text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
+    new, old = _MM_PREFIX
+    # A weight is missing if none of its names was loaded (tied embeddings: one name saved).
+    names = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), set()).add(name)
+    loaded = set()
+    for shard in checkpoint_files(path):
+        state = {
+            (new + k[len(old) :] if "vision_config" in config and k.startswith(old) else k): v
+            for k, v in load_file(shard).items()
+            if not k.startswith(_NOT_LANGUAGE_MODEL)
+        }
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"{shard}: weights the model does not have: {unexpected[:5]}")
+        loaded |= set(state)
+    missing = [sorted(group)[0] for group in names.values() if not group & loaded]
+    if missing:
+        raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    return model.to(device).eval()
