@@ -83,7 +83,7 @@ class Engine:
 
     L = 4  # the harness's default layer ids
 
-    def __init__(self, model: str, storage: str, runner: str = "v1", **extra):
+    def __init__(self, model: str, storage: str, runner: str | None = None, **extra):
         self.sched = make_scheduler(model, storage, **extra)
         self.cfg = self.sched.vllm_config
         harness._init_dist(self.cfg)
@@ -91,6 +91,7 @@ class Engine:
             self.worker = HybridHiddenStatesConnector(self.cfg, KVConnectorRole.WORKER)
         # The patched runner that hands the rows over: V1's _model_forward or V2's execute_model
         runners = {"v1": harness.V1Runner, "v2": harness.V2Runner}
+        runner = runner or ("v1" if has_v1_runner() else "v2")  # the release's default
         self.runner = runners[runner](self.worker, self.cfg)
         self.hidden = self.cfg.model_config.get_hidden_size()
         self.L = len(self.worker.layer_ids)
