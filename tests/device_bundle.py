@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build a vLLM bundle for the offline GPU machine, for any release 0.20.1-0.33.0.
+"""Build a vLLM bundle for the offline GPU machine, for any release 0.20.1-0.34.0.
 
     python3 tests/device_bundle.py 0.33.0 .devbundle33 [--python 3.12]
 
@@ -65,6 +65,20 @@ NO_DEPS = {"compressed-tensors", "xgrammar"}
 EXTRA = ["xgrammar==0.2.9", "apache-tvm-ffi==0.1.11"]
 # Always carried, even where the machine has the package (as the shared script does).
 ALWAYS = {"apache-tvm-ffi"}
+# From vLLM 0.34.0, packages SKIP leaves out that an engine imports anyway (run 37, H200): the
+# NVIDIA Qwen3.5/3.6 model imports flashinfer.norm (JIT-built with the machine's nvcc), and
+# the kernel warm-up imports the MiniMax-M3 ops, which import cutlass (nvidia-cutlass-dsl) and
+# quack. Downloaded without their dependencies at these pins (flashinfer 0.7.4: the index lacks
+# vLLM's 0.7.3), with transformers (0.34.0's huggingface-hub 2 needs a newer one than the
+# machine's 5.17.0).
+FROM_0_34 = [
+    "flashinfer-python==0.7.4", "cuda-tile==1.7.0", "nccl4py==0.6.0", "nccl-extensions==0.1.0",
+    "nvidia-cudnn-frontend==1.32.0", "nvidia-cutlass-dsl==4.8.0",
+    "nvidia-cutlass-dsl-libs-base==4.8.0", "nvidia-cutlass-dsl-libs-core==4.8.0",
+    "nvidia-cutlass-dsl-libs-cu13==4.8.0", "quack-kernels==0.6.5", "cuda-python==13.4.4",
+    "cuda-core==1.2.2", "cuda-pathfinder==1.9.1", "cuda-bindings==13.4.4", "ml-dtypes==0.7.0",
+]  # fmt: skip
+CARRY_FROM_0_34 = ("transformers",)
 DROP = (
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FlashAttention-2: Hopper uses FA3
     "vllm/_moe_C.abi3.so",  # MoE kernels: dense / GDN models only
@@ -212,6 +226,8 @@ set -e
 cd "$(dirname "$0")"
 SITE="${{SITE:-{SITE}}}"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" wheels/*.whl
+# nvidia-cutlass-dsl puts its packages on the path with a .pth file, which PYTHONPATH skips
+for d in "$SITE"/nvidia_cutlass_dsl/dsl_packages/*; do [ -e "$d" ] && ln -sfn "$d" "$SITE"/; done
 echo "installed $(ls wheels | wc -l) wheels into $SITE"
 """
 
@@ -242,7 +258,8 @@ def write_bundle(files, out_dir, manifest, size=PART_SIZE):
 
 def env_line(packages, kept):
     """What each later call exports: the bundle first on the path, before the machine's own."""
-    line = f"export PYTHONPATH={SITE} PATH={SITE}/bin:$PATH PYTHONUNBUFFERED=1"
+    # /usr/local/cuda/bin: flashinfer (0.34.0) builds its kernels with the machine's nvcc
+    line = f"export PYTHONPATH={SITE} PATH={SITE}/bin:/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1"
     if "torch" in packages and "nvidia-cudnn-cu13" in kept:  # an older cuDNN than torch's build
         line += " PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1"
     return line
@@ -344,10 +361,14 @@ def build(version, out_dir, python="3.12", machine_dir=MACHINE_DIR, reuse=(), ca
             items = [i["metadata"] for i in json.load(f)["install"]]
         resolved = {norm(m["name"]): (m["version"], m.get("requires_dist", [])) for m in items}
         specs = constraints(top, resolved, env)
+        if Version(version) >= Version("0.34.0"):
+            carry = (*carry, *CARRY_FROM_0_34)
         reuse, carry = {norm(n) for n in reuse}, {norm(n) for n in carry}
         travel, kept = travelling(resolved, specs, machine, reuse, carry)
         pins = [f"{n}=={v}" for n, v in travel.items()]
         print(f"downloading {len(pins)} packages ...", flush=True)
+        if Version(version) >= Version("0.34.0"):
+            pins += FROM_0_34
         pip(exe, "download", "--no-deps", *plat, "-d", wheels, *pins)
         trim(src, os.path.join(wheels, os.path.basename(src)))
         files = {f"wheels/{os.path.basename(w)}": w for w in glob.glob(f"{wheels}/*.whl")}
@@ -372,7 +393,7 @@ def build(version, out_dir, python="3.12", machine_dir=MACHINE_DIR, reuse=(), ca
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("version", help="vLLM release, 0.20.1 .. 0.33.0")
+    ap.add_argument("version", help="vLLM release, 0.20.1 .. 0.34.0")
     ap.add_argument("out_dir")
     ap.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12)")
     ap.add_argument("--machine", default=MACHINE_DIR, help="folder of gpu-machine-*.txt")
