@@ -1,14 +1,17 @@
 """patches/upstream/: the pull request against vLLM is well formed, applies and its tests pass.
 
 Run: python -m pytest tests/test_upstream_patch.py -q (CPU, no network; needs `git`).
-The format checks always run. On vLLM 0.33.0 (the PR's base) the patch is applied with
-`git apply` (no fuzz) to a copy of the installed vLLM's files it touches, the patched files are
-compiled, and the unit tests the patch adds run in a fresh interpreter in which the patched
-modules shadow the installed ones.
+The format checks always run. On vLLM 0.34.0 (the PR's base; CI installs it) the files the
+patch touches are copied from the installed vLLM, checked against the sha256 sums of its wheel's
+RECORD (so they are the release's own, not edited in place), the patch is applied to the copy
+with `git apply` (no fuzz), the patched files are compiled, and the unit tests the patch adds
+run in a fresh interpreter in which the patched modules shadow the installed ones.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -22,7 +25,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UPSTREAM = os.path.join(REPO, "patches", "upstream")
-BASE = "0.33.0"
+BASE = "0.34.0"
 PATCHES = sorted(f for f in os.listdir(UPSTREAM) if f.endswith(".patch"))
 INSTALLED = importlib.metadata.version("vllm").split("+")[0]
 
@@ -63,7 +66,7 @@ def test_folder_has_patches_and_pr_description():
             assert [ln.strip() for ln in f if ln.strip()] == PATCHES
     with open(os.path.join(UPSTREAM, "PR.md")) as f:
         pr = f.read()
-    for needle in ("#56774", "#56822", "59,439", "791,113", "Test plan"):
+    for needle in ("#56774", "#56822", "61,440", "Test plan", "Not in this PR", f"v{BASE}"):
         assert needle in pr, needle
 
 
@@ -115,22 +118,38 @@ sys.exit(pytest.main(sys.argv[2:]))
 """
 
 
+def _release_file(dist: importlib.metadata.Distribution, path: str) -> str:
+    """The installed file at ``path`` (e.g. ``vllm/config/vllm.py``), checked against the
+    sha256 its wheel's RECORD lists: the release's own file, not one edited in place."""
+    (record,) = [f for f in dist.files or () if str(f) == path] or [None]
+    assert record is not None and record.hash is not None, f"{path}: not in vLLM's RECORD"
+    local = str(dist.locate_file(record))
+    with open(local, "rb") as f:
+        digest = hashlib.new(record.hash.mode, f.read()).digest()
+    value = base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    assert value == record.hash.value, (
+        f"{local} differs from vLLM {BASE}'s wheel (RECORD): reinstall vLLM {BASE}"
+    )
+    return local
+
+
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> str:
     if INSTALLED != BASE:
-        pytest.skip(f"the PR is made against vLLM {BASE}; installed is {INSTALLED}")
+        pytest.skip(
+            f"needs vLLM {BASE}'s sources (the PR's base), taken from an installed vLLM "
+            f"{BASE}; installed is {INSTALLED}"
+        )
     if shutil.which("git") is None:
         pytest.skip("`git` is missing")
-    spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.origin is not None
-    site = os.path.dirname(os.path.dirname(spec.origin))
+    dist = importlib.metadata.distribution("vllm")
     root = str(tmp_path_factory.mktemp("vllm-pr"))
     for name in PATCHES:
         for f in _files(_read(name)):
             if not f["new"]:
-                src, dst = os.path.join(site, f["a"][2:]), os.path.join(root, f["a"][2:])
+                dst = os.path.join(root, f["a"][2:])
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copyfile(src, dst)
+                shutil.copyfile(_release_file(dist, f["a"][2:]), dst)
     subprocess.run(["git", "init", "-q"], cwd=root, check=True)
     for name in PATCHES:
         for args in (["--check"], []):
