@@ -7,7 +7,7 @@ plus the patch, with the PR's own AuxHiddenStatesConnector.
     python tests/gpu/upstream_pr.py accuracy OUT.json   # tiny hybrid + dense, eager + graphs
     python tests/gpu/upstream_pr.py bench OUT.json      # 27B shape: plain, example, aux
 
-accuracy: per model (tiny Qwen3.5 hybrid, tiny Qwen3 dense; vllm_gdn_hs.testing), the PR's
+accuracy: per model (tiny Qwen3.5 hybrid, tiny Qwen3 dense; tests/tiny_models.py), the PR's
 connector in eager and CUDA-graph mode and ExampleHiddenStatesConnector (CUDA graphs), each
 asked as speculators asks (`extract_hidden_states`), for the same prompts, prompt-only and with
 include_output_tokens. Each run is judged against HF transformers fp32 on the same weights
@@ -33,7 +33,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]
+sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmarks")]
 
 AUX, EXAMPLE = "AuxHiddenStatesConnector", "ExampleHiddenStatesConnector"
 # Ascending: the order in which the model returns aux states and both connectors store them.
@@ -213,8 +213,9 @@ def compare_files(
 
 
 def accuracy(out_path: str) -> int:
+    from tiny_models import build_tiny_dense, build_tiny_hybrid
+
     from vllm_gdn_hs.reference import HFReference
-    from vllm_gdn_hs.testing import build_tiny_dense, build_tiny_hybrid
 
     results: dict = {"layers": LAYERS, "prompts": len(PROMPTS), "with_outputs": len(WITH_OUTPUTS)}
     failed = []

@@ -52,7 +52,7 @@ PARTS=",${UPSTREAM_PR_PARTS:-unit,accuracy,bench},"
 [ "${UPSTREAM_PR_BENCH:-1}" = 0 ] && PARTS=${PARTS/,bench,/,}
 UNIT=skipped ACC=skipped BENCH=skipped
 # The patched copy first, then the rest of vLLM's dependencies, then this checkout.
-export PYTHONPATH=$PR_SITE:$SITE:$REPO:$REPO/benchmarks
+export PYTHONPATH=$PR_SITE:$SITE:$REPO:$REPO/tests:$REPO/benchmarks
 
 if [[ $PARTS == *,unit,* ]]; then
     step "2. the PR's unit tests"
