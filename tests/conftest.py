@@ -117,3 +117,16 @@ def _run_python(code: str, *, plugins: bool, timeout: float = 300) -> subprocess
 def run_python():
     """``run_python(code, plugins=...)``: a fresh interpreter (see :func:`_run_python`)."""
     return _run_python
+
+
+@pytest.fixture(params=["v1", "v2"], ids=["runner-v1", "runner-v2"])
+def runner(request):
+    """Which model runner hands the rows over (tests that step the patched runner): V1 where
+    the release has it, and Model Runner V2 where it is patched."""
+    from vllm_gdn_hs.version import has_v1_runner, runs_model_runner_v2
+
+    if request.param == "v2" and not runs_model_runner_v2():
+        pytest.skip("Model Runner V2 is patched from vLLM 0.33.0")
+    if request.param == "v1" and not has_v1_runner():
+        pytest.skip("vLLM 0.34.0 and later have no V1 runner")
+    return request.param

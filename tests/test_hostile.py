@@ -35,7 +35,7 @@ from vllm.v1.request import Request
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector, request_rows
-from vllm_gdn_hs.version import has_v1_runner, runs_model_runner_v2
+from vllm_gdn_hs.version import has_v1_runner
 
 _ABS = f"/tmp/vllm-gdn-hs-hostile-{uuid.uuid4().hex[:8]}"  # must never come into being
 HOSTILE_IDS = {
@@ -133,16 +133,6 @@ class Engine:
 
     def params(self, rid: str) -> dict:
         return self.outputs[rid].kv_transfer_params or {}
-
-
-@pytest.fixture(params=["v1", "v2"], ids=["runner-v1", "runner-v2"])
-def runner(request):
-    """Which model runner hands the rows over: V1, and Model Runner V2 where it is patched."""
-    if request.param == "v2" and not runs_model_runner_v2():
-        pytest.skip("Model Runner V2 is patched from vLLM 0.33.0")
-    if request.param == "v1" and not has_v1_runner():
-        pytest.skip("vLLM 0.34.0 and later have no V1 runner")
-    return request.param
 
 
 @pytest.fixture

@@ -19,16 +19,7 @@ import torch
 from test_hostile import Engine, engine_request
 
 from vllm_gdn_hs import files
-from vllm_gdn_hs.version import has_v1_runner, runs_model_runner_v2
-
-
-@pytest.fixture(params=["v1", "v2"])
-def runner(request):
-    if request.param == "v2" and not runs_model_runner_v2():
-        pytest.skip("Model Runner V2 is patched from vLLM 0.33.0")
-    if request.param == "v1" and not has_v1_runner():
-        pytest.skip("vLLM 0.34.0 and later have no V1 runner")
-    return request.param
+from vllm_gdn_hs.version import has_v1_runner
 
 
 @pytest.mark.smoke
