@@ -108,4 +108,3 @@ def reader(address: str, segment: int = 0):
     transfer = MooncakeTransfer(MooncakeHiddenStatesStore(cfg))
     transfer.setup()
     return transfer
-

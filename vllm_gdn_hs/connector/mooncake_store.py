@@ -133,7 +133,7 @@ class MooncakeStore:
                 f"{options.local_hostname!r}, metadata server {options.metadata_server!r}, "
                 f"protocol {options.protocol}: check that other hosts reach this one at "
                 "local_hostname (MOONCAKE_LOCAL_HOSTNAME) and that global_segment_size "
-                "(--mooncake-global-segment-gib) fits in host memory"
+                "(--mooncake-global-segment-gib) is 16 MiB or more and fits in host memory"
             )
         self.pin = ReplicateConfig()
         self.pin.with_hard_pin = True  # refused when full, never evicted
