@@ -3,9 +3,18 @@ the launcher can check them before vLLM starts without importing torch or vLLM."
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.mooncake_config import FP8_REFUSED, MooncakeOptions
 
 
 class HiddenStatesConfig(BaseModel):
@@ -40,6 +49,30 @@ class HiddenStatesConfig(BaseModel):
     # Where a client's own "hidden_states_path" may point, with allow_custom_save_path on;
     # default: shared_storage_path. Anything resolving outside it is refused.
     custom_save_root: str | None = None
+    # The mooncake backend (speculators' shape): each request's rows go to one object in a
+    # Mooncake store instead of a file (vllm_gdn_hs.connector.mooncake_store).
+    mooncake: MooncakeOptions | None = None
+
+    @model_validator(mode="after")
+    def _mooncake(self) -> HiddenStatesConfig:
+        if self.mooncake is None:
+            return self
+        if self.fp8:
+            raise ValueError(FP8_REFUSED)
+        if self.allow_custom_save_path:
+            raise ValueError(
+                "allow_custom_save_path does not apply to the mooncake backend (it writes no "
+                "files): drop it"
+            )
+        threads = self.mooncake.num_writer_threads
+        if "write_workers" not in self.model_fields_set:
+            self.write_workers = threads
+        elif self.write_workers != threads:
+            raise ValueError(
+                f"write_workers={self.write_workers} and mooncake.num_writer_threads={threads} "
+                "name the same thing: set one (--mooncake-writer-threads)"
+            )
+        return self
 
 
 class RequestParams(BaseModel):

@@ -46,6 +46,7 @@ LAUNCHER_OPTIONS = {
     "shared_storage_path": "--hidden-states-path",
     "layer_ids": "--target-layer-ids",
     "fp8": "--hidden-states-backend fp8",
+    "mooncake": "--hidden-states-backend mooncake and its --mooncake-* options",
 }
 
 
@@ -76,6 +77,12 @@ class FileBackend:
             )
 
     @classmethod
+    def storage_options(cls, args: argparse.Namespace) -> dict:
+        """The connector options naming where the hidden states go."""
+        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
+        return {"shared_storage_path": path, **cls.options}
+
+    @classmethod
     def build_kv_transfer_config(cls, args: argparse.Namespace, user: dict) -> dict:
         """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
         from pydantic import ValidationError
@@ -96,7 +103,7 @@ class FileBackend:
                     f"launcher: use {use} instead"
                 )
         try:
-            HiddenStatesConfig(**extra)
+            HiddenStatesConfig(**extra, **cls.storage_options(args))
         except (ValidationError, TypeError) as e:
             errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
             why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
@@ -106,8 +113,8 @@ class FileBackend:
             raise LaunchError(
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
             ) from None
-        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        kv = extraction_config([], path, **extra, **cls.options)["kv_transfer_config"]
+        kv = extraction_config([], "", **extra)["kv_transfer_config"]
+        kv["kv_connector_extra_config"] = {**cls.storage_options(args), **extra}
         return {**user, **kv}
 
 
@@ -119,9 +126,46 @@ class Fp8Backend(FileBackend):
     options = {"fp8": True}
 
 
+class MooncakeBackend(FileBackend):
+    """speculators' ``mooncake`` backend: one object per request in a Mooncake store, read by
+    hs-connectors' ``MooncakeTransfer``; no shared file system. The same ``--mooncake-*``
+    options, defaults and ``kv_connector_extra_config.mooncake`` as speculators' launcher
+    (hs-connectors' own option definitions)."""
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        from hs_connectors.transfer import MooncakeBackend as Theirs
+
+        Theirs.add_launch_args(parser)
+
+    @classmethod
+    def storage_options(cls, args: argparse.Namespace) -> dict:
+        import socket
+
+        host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(
+            socket.gethostname()
+        )  # as speculators' launcher
+        gib = 1024**3
+        return {
+            "mooncake": {
+                "local_hostname": host,
+                "metadata_server": args.mooncake_metadata_server,
+                "master_server_address": args.mooncake_master,
+                "global_segment_size": round(args.mooncake_global_segment_gib * gib),
+                "local_buffer_size": round(args.mooncake_local_buffer_gib * gib),
+                "protocol": args.mooncake_protocol,
+                "device_name": args.mooncake_device,
+                "num_writer_threads": args.mooncake_writer_threads,
+            }
+        }
+
+
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.
-# speculators' "mooncake" keeps hidden states in the KV cache and is not offered.
-BACKENDS: dict[str, type[FileBackend]] = {"file": FileBackend, "fp8": Fp8Backend}
+BACKENDS: dict[str, type[FileBackend]] = {
+    "file": FileBackend,
+    "fp8": Fp8Backend,
+    "mooncake": MooncakeBackend,
+}
 
 _USAGE = (
     "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
@@ -236,12 +280,7 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     if backend is None:
         raise LaunchError(
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
-            f"vllm-gdn-hs ships {' and '.join(repr(b) for b in BACKENDS)}"
-            + (
-                " (mooncake is not supported yet: it keeps hidden states in the KV cache)"
-                if args.hidden_states_backend == "mooncake"
-                else ""
-            )
+            f"vllm-gdn-hs ships {', '.join(repr(b) for b in BACKENDS)}"
         )
     from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
 

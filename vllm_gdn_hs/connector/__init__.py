@@ -75,7 +75,11 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         self._worker: HybridHiddenStatesConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = HybridHiddenStatesConnectorScheduler(
-                self.cfg, self.layer_ids, vllm_config.model_config.max_model_len
+                self.cfg,
+                self.layer_ids,
+                vllm_config.model_config.max_model_len,
+                hidden=vllm_config.model_config.get_hidden_size(),  # for the mooncake manifest
+                dtype=vllm_config.model_config.dtype,
             )
         elif _is_writer_rank():  # only tensor-parallel rank 0 writes
             self._worker = HybridHiddenStatesConnectorWorker(

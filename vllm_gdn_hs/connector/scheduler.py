@@ -28,7 +28,14 @@ logger = init_logger(__name__)
 
 
 class HybridHiddenStatesConnectorScheduler:
-    def __init__(self, cfg: HiddenStatesConfig, layer_ids: list[int], max_model_len: int):
+    def __init__(
+        self,
+        cfg: HiddenStatesConfig,
+        layer_ids: list[int],
+        max_model_len: int,
+        hidden: int = 0,
+        dtype=None,
+    ):
         self.cfg = cfg
         self.storage_path = os.path.abspath(cfg.shared_storage_path)
         self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)
@@ -37,6 +44,19 @@ class HybridHiddenStatesConnectorScheduler:
         self._paths: dict[str, tuple[str, int, bool]] = {}
         self._refused: dict[str, str] = {}  # request id -> why it gets no file
         self._finished: list[FinishedRequest] = []
+        # -- storage seam: the mooncake backend names objects, not files --
+        self.keys = None
+        if cfg.mooncake is not None:
+            from vllm_gdn_hs.connector.mooncake_store import KeyMaker
+
+            self.keys, self.sample = KeyMaker(), (len(layer_ids), hidden, dtype)
+            logger.info(
+                "%s: layers %s -> Mooncake store at %s",
+                CONNECTOR_NAME,
+                layer_ids,
+                cfg.mooncake.master_server_address,
+            )
+            return
         if why := files.check_storage_path(self.storage_path):
             raise ValueError(
                 f"{CONNECTOR_NAME}: shared_storage_path {self.storage_path!r} is not "
@@ -84,6 +104,14 @@ class HybridHiddenStatesConnectorScheduler:
         logger.warning("%s: request %r: no hidden states: %s", CONNECTOR_NAME, req_id, why)
 
     def _path_for(self, req_id: str, custom: str | None) -> str:
+        if self.keys is not None:  # the mooncake backend: the object's key, never taken
+            if custom is not None:
+                logger.warning(
+                    "%s: request %r: hidden_states_path ignored (the mooncake backend)",
+                    CONNECTOR_NAME,
+                    req_id,
+                )
+            return self.keys.key(req_id)
         if custom is not None and self.cfg.allow_custom_save_path:
             path = files.custom_path(custom, self.custom_root)
         else:
@@ -132,4 +160,8 @@ class HybridHiddenStatesConnectorScheduler:
         else:
             token_ids = list(request.prompt_token_ids or ())
         self._finished.append(FinishedRequest(request.request_id, token_ids))
+        if self.keys is not None:  # hs-connectors' v1 manifest; path is the key
+            from vllm_gdn_hs.connector.mooncake_store import manifest
+
+            return manifest(path, len(token_ids), *self.sample, include_output_tokens)
         return {"hidden_states_path": path}

@@ -42,6 +42,12 @@ class HybridHiddenStatesConnectorWorker:
         dtype: torch.dtype,
         device: torch.device,
     ):
+        # -- storage seam: the mooncake backend puts objects instead of writing files --
+        self.store = None  # with cfg.mooncake: .connector.mooncake_store.MooncakeStore
+        if cfg.mooncake is not None:  # connects first: a wrong master fails the startup
+            from vllm_gdn_hs.connector.mooncake_store import MooncakeStore
+
+            self.store = MooncakeStore(cfg.mooncake)
         self.ring = HostRing(
             cfg.host_buffers, max_tokens, num_layers, hidden, dtype, device, fp8=cfg.fp8
         )
@@ -87,12 +93,13 @@ class HybridHiddenStatesConnectorWorker:
                     self.hidden,
                     self.dtype,
                     flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
-                    lock=self.cfg.use_synchronization_lock,
+                    lock=self.cfg.use_synchronization_lock and self.store is None,
                     norms_width=self.num_layers + self.cfg.fp8,
                 )
                 self.created += 1
             except Exception as e:  # never stop the engine for one request's file
                 self._failed(req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
+                self._store_error(req.path, f"cannot start its rows: {e}")
         for fin in meta.finished_requests:
             self.tasks.put(("finish", fin))
 
@@ -148,6 +155,8 @@ class HybridHiddenStatesConnectorWorker:
         return done.wait(timeout)
 
     def close(self, timeout: float = 600.0) -> None:
+        if self.store is not None:  # writers waiting for a full store give up soon
+            self.store.begin_close()
         if not self.drained(timeout):
             logger.error("%s: hidden-state writer did not drain in %.0f s", CONNECTOR_NAME, timeout)
         self.pool.shutdown(wait=True)
@@ -155,6 +164,8 @@ class HybridHiddenStatesConnectorWorker:
         for buf in self.requests.values():  # never finished: leave no lock behind
             release_lock(buf.lock_fd, buf.req.path, remove=True)
         self.requests.clear()
+        if self.store is not None:
+            self.store.close()
         logger.info(
             "%s: shut down; %d files (%.2f GB) written, %d failed, %d aborted, %d unfinished%s; %s",
             CONNECTOR_NAME,
@@ -236,11 +247,17 @@ class HybridHiddenStatesConnectorWorker:
         except Exception as e:
             why += f" (and its lock: {e})"
         self._failed(buf.req.req_id, why)
+        self._store_error(buf.req.path, why)
 
     def _failed(self, req_id: str, why: str) -> None:
         logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
         with self.stats_lock:
             self.stats["failed"] += 1
+
+    def _store_error(self, key: str, why: str) -> None:
+        """The mooncake backend: its reader gets the error object at once, not a timeout."""
+        if self.store is not None:
+            self.store.write_error(key, why)
 
     def _on_finish(self, fin: FinishedRequest) -> None:
         buf = self.requests.pop(fin.req_id, None)
@@ -295,10 +312,14 @@ class HybridHiddenStatesConnectorWorker:
                 norms[:, self.num_layers :].reshape(n, 1, 1).contiguous() if self.cfg.fp8 else None
             )
             ids = torch.tensor(token_ids, dtype=torch.int64)
-            files.write_file(path, hidden_states, ids, scales)
+            if self.store is None:
+                files.write_file(path, hidden_states, ids, scales)
+            else:  # the mooncake backend: path is the object's key (no fp8 there)
+                self.store.write(path, hidden_states, ids)
             ok = True
         except Exception as e:
             self._failed(buf.req.req_id, f"not written to {path}: {e}")
+            self._store_error(path, str(e))
         finally:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
             release_lock(buf.lock_fd, path, remove=not ok)

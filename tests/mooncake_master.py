@@ -1,0 +1,110 @@
+"""A real ``mooncake_master`` on 127.0.0.1 for the mooncake tests: started on a free port,
+stopped by its process id; the tests skip, saying why, where the binary is missing.
+
+The binary and ``mooncake.store`` come from ``mooncake-transfer-engine-non-cuda`` (the dev
+extra) and need ``libibverbs1`` (apt). Only loopback: the master binds 127.0.0.1, and
+``MC_TCP_BIND_ADDRESS`` makes the clients advertise 127.0.0.1 (their listening ports bind every
+interface whatever it says; the tests send nothing elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+HOST = "127.0.0.1"
+
+
+def binary() -> str | None:
+    """The ``mooncake_master`` next to the ``mooncake`` package, or on PATH."""
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    here = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+
+
+def require_mooncake() -> str:
+    """The master binary, after checking that ``mooncake.store`` loads; else skip."""
+    path = binary()
+    if path is None:
+        pytest.skip(
+            "mooncake_master not installed: pip install mooncake-transfer-engine-non-cuda "
+            "(in the dev extra)"
+        )
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"mooncake.store does not load ({e}): apt-get install -y libibverbs1")
+    os.environ["MC_TCP_BIND_ADDRESS"] = HOST
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    """One ``mooncake_master`` bound to 127.0.0.1; ``kill`` and ``start`` again on the same
+    port (a restarted master has lost every object)."""
+
+    def __init__(self, path: str, log_dir: str):
+        self.path, self.log_dir = path, log_dir
+        self.port, self.metrics_port = free_port(), free_port()
+        self.address = f"{HOST}:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.starts += 1
+        log = open(os.path.join(self.log_dir, f"master-{self.starts}.log"), "w")
+        cmd = [self.path, f"-rpc_address={HOST}", f"-rpc_port={self.port}"]
+        cmd += [f"-metrics_host={HOST}", f"-metrics_port={self.metrics_port}"]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((HOST, self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.kill()
+                    pytest.fail(f"mooncake_master did not start: {self.log()[-2000:]}")
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL by process id, and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log(self) -> str:
+        with open(os.path.join(self.log_dir, f"master-{self.starts}.log")) as f:
+            return f.read()
+
+
+def reader(address: str, segment: int = 0):
+    """hs-connectors' own ``MooncakeTransfer`` (speculators' reader) on this master; by default
+    it lends no memory, so every object lies in the server's segment."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+    from hs_connectors.transfer import MooncakeTransfer
+
+    cfg = MooncakeStoreConfig(
+        local_hostname=HOST,
+        master_server_address=address,
+        global_segment_size=segment,
+        local_buffer_size=64 << 20,
+    )
+    transfer = MooncakeTransfer(MooncakeHiddenStatesStore(cfg))
+    transfer.setup()
+    return transfer

@@ -1,0 +1,351 @@
+"""The mooncake backend against a real ``mooncake_master`` on 127.0.0.1; CPU only.
+
+Run: python -m pytest tests/test_mooncake.py -q (needs mooncake-transfer-engine-non-cuda, the
+dev extra, and libibverbs1 from apt; skipped, saying so, without them). Each test starts its
+own master on a free loopback port and kills it by process id (tests/mooncake_master.py).
+Requests run through vLLM's real Scheduler and our worker side (test_hostile's Engine; the
+GPU is the only fake: each step's rows are seeded random numbers); the objects are read back
+with hs-connectors' own ``MooncakeTransfer``. Covers: bf16 objects bit for bit equal to the
+file backend's files for the same rows, keys that ``sanitize_key`` alone would mix up, the
+manifest in ``kv_transfer_params``; a failed request's error object (the reader fails at
+once, with the reason); the startup check naming the master's address; the master killed
+and restarted mid-run; a full store with a slow reader (back-pressure, nothing evicted,
+host memory within write_backlog_gb); a reader that never comes (a clear log line, bounded
+memory) and shutdown removing what no reader took.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import harness
+import pytest
+import torch
+from mooncake_master import HOST, Master, free_port, reader, require_mooncake
+from safetensors.torch import load_file
+from test_connector_scheduler import make_request, prompt
+from test_hostile import Engine
+
+from vllm_gdn_hs.connector import mooncake_store
+
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def master_bin():
+    return require_mooncake()
+
+
+@pytest.fixture
+def master(master_bin, tmp_path):
+    m = Master(master_bin, str(tmp_path))
+    m.start()
+    try:
+        yield m
+    finally:
+        m.kill()
+
+
+def options(address: str, segment: int = 64 * MB) -> dict:
+    return {
+        "local_hostname": HOST,
+        "master_server_address": address,
+        "global_segment_size": segment,
+        "local_buffer_size": 16 * MB,
+    }
+
+
+class RowsEngine(Engine):
+    """test_hostile's Engine (real Scheduler, our worker side) with seeded random rows, the
+    same for two engines given the same requests; ``sent[req][pos]`` keeps each row handed
+    over (the last one per position, as the connector keeps it); ``zero`` makes a
+    request's rows all-zero."""
+
+    def __init__(self, model, storage, **extra):
+        super().__init__(model, storage, **extra)
+        self.gen = torch.Generator().manual_seed(0)
+        self.sent: dict[str, dict[int, torch.Tensor]] = {}
+        self.zero: set[str] = set()
+        save = self.worker.save_hidden_states
+
+        def random_rows(rows, ids, qsl, pos):
+            rows = torch.randn(rows.shape, generator=self.gen).bfloat16()
+            for i, rid in enumerate(ids):
+                s, e = int(qsl[i]), int(qsl[i + 1])
+                if rid in self.zero:
+                    rows[s:e] = 0
+                for j in range(s, e):
+                    self.sent.setdefault(rid, {})[int(pos[j])] = rows[j].clone()
+            save(rows, ids, qsl, pos)
+
+        self.worker.save_hidden_states = random_rows
+
+    def store(self) -> mooncake_store.MooncakeStore:
+        return self.worker._worker.store
+
+    def until_finished(self, *rids: str, limit: int = 50) -> None:
+        for _ in range(limit):
+            if all(r in self.outputs for r in rids):
+                break
+            self.step()
+        self.step()  # the worker hears of the last finish in the next step
+        assert self.worker._worker.drained(60)
+
+    def expected(self, rid: str, n: int) -> torch.Tensor:
+        return torch.stack([self.sent[rid][p] for p in range(n)])
+
+
+def mooncake_engine(model, tmp_path, address, segment=64 * MB, **extra):
+    return RowsEngine(model, str(tmp_path / "hs"), mooncake=options(address, segment), **extra)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def assert_sample(eng: RowsEngine, rid: str, got: dict) -> None:
+    ids = got["token_ids"]
+    assert got["hidden_states"].shape == (len(ids), eng.L, eng.hidden)
+    assert same_bits(got["hidden_states"], eng.expected(rid, len(ids)))
+
+
+IDS = ["a.b", "a_b", "7x"]  # sanitize_key: "a_b", "a_b", "k7x"
+
+
+def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_path):
+    file_eng = RowsEngine(hybrid_model, str(tmp_path / "files"))
+    mc_eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+    transfer = reader(master.address)
+    lengths = {"a.b": 5, "a_b": 300, "7x": 64}  # 300: chunked prefill (256 tokens a step)
+    for eng in (file_eng, mc_eng):
+        for rid, n in lengths.items():
+            out = {"include_output_tokens": True} if rid == "7x" else None
+            eng.add(make_request(rid, prompt(n), max_tokens=3, params=out))
+        eng.until_finished(*IDS)
+    file_eng.worker.shutdown()
+    handles = set()
+    for rid in IDS:
+        params = mc_eng.params(rid)
+        assert set(params) == {"handle", "version", "tensors", "metadata"}
+        assert params["handle"].startswith(mooncake_store._sanitize_key(rid) + "-")
+        handles.add(params["handle"])
+        got = transfer.get_generated(params)
+        want = load_file(file_eng.params(rid)["hidden_states_path"])
+        assert same_bits(got["hidden_states"], want["hidden_states"])
+        assert torch.equal(got["token_ids"], want["token_ids"])
+        assert got["token_ids"].tolist() == mc_eng.tokens[rid] + [7] * ("x" in rid) * 2
+        assert_sample(mc_eng, rid, got)
+        transfer.delete(params["handle"])
+        assert transfer.store._store.is_exist(params["handle"]) == 0
+    assert len(handles) == 3  # one key each, though sanitize_key maps two ids to one
+    mc_eng.worker.shutdown()
+
+
+def test_a_failed_request_gets_an_error_object(hybrid_model, master, tmp_path):
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+    transfer = reader(master.address)
+    eng.zero.add("bad")
+    for rid in ("bad", "good"):
+        eng.add(make_request(rid, prompt(40)))
+    eng.until_finished("bad", "good")
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    with pytest.raises(MooncakeIntegrityError, match="all-zero rows"):
+        transfer.get_generated(eng.params("bad"))
+    assert_sample(eng, "good", transfer.get_generated(eng.params("good")))
+    eng.worker.shutdown()
+
+
+def test_startup_names_the_master_it_cannot_reach(hybrid_model, master_bin, tmp_path):
+    address = f"{HOST}:{free_port()}"  # nothing listens there
+    with pytest.raises(ValueError, match=f"cannot reach the Mooncake master at {address}"):
+        mooncake_engine(hybrid_model, tmp_path, address)
+
+
+def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog):
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+    transfer = reader(master.address)
+    eng.add(make_request("before", prompt(30)))
+    eng.until_finished("before")
+    assert_sample(eng, "before", transfer.get_generated(eng.params("before")))
+
+    master.kill()
+    eng.add(make_request("during", prompt(30)))
+    eng.until_finished("during")  # the engine goes on; the put fails
+    assert "during" in eng.outputs
+    master.start()  # same port; every object it held is gone
+
+    # Its error object, once the server's client is back with the master (until the
+    # reader's own client is, the reader fails on is_exist, as it does with any outage).
+    assert "returned -900" in str(read_error(transfer, eng.params("during")))
+    eng.add(make_request("after", prompt(30)))
+    eng.until_finished("after")
+    assert_sample(eng, "after", transfer.get_generated(eng.params("after")))
+    eng.worker.shutdown()
+
+
+def read_error(transfer, params, timeout: float = 60.0) -> Exception:
+    """The producer's error for ``params``, read as the trainer reads it (retried while the
+    reader's own client cannot reach the master)."""
+    from hs_connectors.mooncake_store import MooncakeIntegrityError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            transfer.get_generated(params)
+        except MooncakeIntegrityError as e:
+            return e
+        except RuntimeError:  # is_exist -900: this client is not back yet
+            assert time.monotonic() < deadline, "no error object"
+            time.sleep(0.2)
+        else:
+            pytest.fail("read a sample that was never put")
+
+
+class SlowReader(threading.Thread):
+    """speculators' reader, one sample at a time, each after ``delay`` s; starts reading once
+    ``start_when()`` is true."""
+
+    def __init__(self, transfer, start_when, delay=0.05):
+        super().__init__(daemon=True)
+        self.transfer, self.start_when, self.delay = transfer, start_when, delay
+        self.todo: queue.Queue = queue.Queue()
+        self.got: dict[str, dict] = {}
+        self.failed: dict[str, Exception] = {}
+
+    def run(self):
+        while not self.start_when():
+            time.sleep(0.01)
+        while (item := self.todo.get()) is not None:
+            rid, params = item
+            time.sleep(self.delay)
+            try:
+                self.got[rid] = self.transfer.get_generated(params)
+                self.transfer.delete(params["handle"])
+            except Exception as e:
+                self.failed[rid] = e
+
+
+TOKENS, BACKLOG = 1500, 4e-3  # objects of 3 MB (4 layers x 256 x bf16), 4 MB of backlog
+
+
+def sample_bytes(eng: RowsEngine) -> int:
+    return TOKENS * eng.L * eng.hidden * 2
+
+
+def run_full_store(eng: RowsEngine, rids: list[str], slow: SlowReader) -> int:
+    """Step the engine until every request is finished and written, handing each finished
+    request's manifest to ``slow`` at once; returns the most backlog bytes seen."""
+    worker, most = eng.worker._worker, [0]
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most[0] = max(most[0], worker.backlog_bytes)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    handed = set()
+    for _ in range(200):
+        eng.step()
+        for rid in set(eng.outputs) - handed:
+            handed.add(rid)
+            slow.todo.put((rid, eng.params(rid)))
+        if handed == set(rids):
+            break
+    eng.step()
+    assert worker.drained(120)
+    done.set()
+    watcher.join()
+    return most[0]
+
+
+def test_full_store_slows_the_engine_and_evicts_nothing(hybrid_model, master, tmp_path):
+    # 16 MiB of store (Mooncake's least) for 12 objects of 3 MB; 4 MB of backlog.
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address, 16 * MB, write_backlog_gb=BACKLOG)
+    store = eng.store()
+    slow = SlowReader(reader(master.address), lambda: store.stats["full_waits"] > 0)
+    slow.start()
+    rids = [f"r{i}" for i in range(12)]
+    for rid in rids:
+        eng.add(make_request(rid, prompt(TOKENS)))
+    most = run_full_store(eng, rids, slow)
+    slow.todo.put(None)
+    slow.join(120)
+    assert not slow.failed
+    assert sorted(slow.got) == sorted(rids)  # none evicted: every sample read
+    for rid in rids:
+        assert_sample(eng, rid, slow.got[rid])
+    assert store.stats["full_waits"] > 0  # the store was full, and the writers waited
+    assert most <= BACKLOG * 1e9 + sample_bytes(eng)
+    eng.worker.shutdown()
+
+
+def test_a_reader_that_never_comes(hybrid_model, master, tmp_path, caplog):
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address, 16 * MB, write_backlog_gb=BACKLOG)
+    store, worker = eng.store(), eng.worker._worker
+    rids = [f"r{i}" for i in range(12)]
+    for rid in rids:
+        eng.add(make_request(rid, prompt(TOKENS)))
+    late = SlowReader(reader(master.address), lambda: False, delay=0)
+    result = {}
+    engine = threading.Thread(
+        target=lambda: result.update(most=run_full_store(eng, rids, late)), daemon=True
+    )
+    with caplog.at_level(logging.WARNING):
+        engine.start()
+        deadline = time.monotonic() + 60
+        while not (store.waiting_full and "the Mooncake store is full" in caplog.text):
+            assert time.monotonic() < deadline, "the store never filled"
+            time.sleep(0.01)
+    line = next(r.getMessage() for r in caplog.records if "store is full" in r.getMessage())
+    assert "check that a trainer reads from " + master.address in line
+    assert engine.is_alive()  # held back by the full store
+    unread = store.unread()
+    assert 0 < len(unread) < len(rids)  # the store holds what fits, nothing was evicted
+    assert worker.backlog_bytes <= BACKLOG * 1e9 + sample_bytes(eng)
+
+    late.start_when = lambda: True  # the reader comes after all: every sample is there
+    late.start()
+    engine.join(120)
+    late.todo.put(None)
+    late.join(120)
+    assert not late.failed and sorted(late.got) == sorted(rids)
+    assert result["most"] <= BACKLOG * 1e9 + sample_bytes(eng)
+    eng.worker.shutdown()
+
+
+def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, caplog):
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+    for rid in ("x", "y"):
+        eng.add(make_request(rid, prompt(20)))
+    eng.until_finished("x", "y")
+    handles = [eng.params(r)["handle"] for r in ("x", "y")]
+    other = reader(master.address).store._store
+    assert [other.is_exist(h) for h in handles] == [1, 1]
+    with caplog.at_level(logging.INFO):
+        eng.worker.shutdown()
+    assert [other.is_exist(h) for h in handles] == [0, 0]
+    assert "2 not read were removed at shutdown" in caplog.text
+
+
+def test_request_ids_and_params_from_the_network(hybrid_model, master, tmp_path):
+    """Hostile ids get keys of their own; a custom hidden_states_path is ignored."""
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+    transfer = reader(master.address)
+    rids = ["../../x", "a\x00b", "ü" * 300, "", "a:error"]
+    for rid in rids:
+        eng.add(make_request(rid, prompt(8), params={"hidden_states_path": "/etc/x"}))
+    eng.until_finished(*rids)
+    keys = {eng.params(r)["handle"] for r in rids}
+    assert len(keys) == len(rids)
+    for rid in rids:
+        assert_sample(eng, rid, transfer.get_generated(eng.params(rid)))
+    eng.worker.shutdown()
+
+
+_ = harness  # the CPU engine (imported for its side effect through test_hostile)

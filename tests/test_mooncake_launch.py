@@ -1,0 +1,103 @@
+"""The launcher's ``--hidden-states-backend mooncake`` and the connector's mooncake options.
+
+Run: python -m pytest tests/test_mooncake_launch.py -q (CPU, no network, no master needed).
+Checks the options, defaults and ``kv_connector_extra_config.mooncake`` against
+hs-connectors' own ``MooncakeBackend`` (what speculators' launcher builds), that vLLM's own
+``vllm serve`` parser accepts the printed command, that the connector's config validates it,
+and that fp8 with mooncake is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import harness
+import pytest
+from hs_connectors.transfer import MooncakeBackend
+from test_launch import dry_run, fail, kv_config, mooncake_parser
+
+from vllm_gdn_hs import launch
+from vllm_gdn_hs.config import HiddenStatesConfig
+
+ARGS = [
+    "--mooncake-master",
+    "10.1.2.3:50051",
+    "--mooncake-protocol",
+    "rdma",
+    "--mooncake-device",
+    "mlx5_0",
+    "--mooncake-global-segment-gib",
+    "1.5",
+    "--mooncake-local-buffer-gib",
+    "0.5",
+    "--mooncake-writer-threads",
+    "6",
+    "--mooncake-metadata-server",
+    "http://10.1.2.3:8080/metadata",
+]
+
+
+@pytest.fixture
+def hybrid(tmp_path):
+    from test_launch import text_hybrid_config
+
+    from vllm_gdn_hs.testing import write_config
+
+    return write_config(str(tmp_path / "m"), text_hybrid_config())
+
+
+def theirs(argv: list[str]) -> dict:
+    """hs-connectors' own kv_transfer_config for these options (speculators' launcher)."""
+    args = mooncake_parser().parse_args(argv)
+    return MooncakeBackend.build_kv_transfer_config(args)
+
+
+@pytest.mark.parametrize("argv", [[], ARGS], ids=["defaults", "all-options"])
+def test_extra_config_is_speculators(capsys, hybrid, monkeypatch, argv):
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.9.9.9")
+    cmd = dry_run(capsys, hybrid, "--hidden-states-backend", "mooncake", *argv)
+    kv = kv_config(cmd)
+    assert kv["kv_connector"] == "HybridHiddenStatesConnector"
+    assert kv["kv_role"] == "kv_producer"
+    assert kv["kv_connector_extra_config"] == theirs(argv)["kv_connector_extra_config"]
+    cfg = HiddenStatesConfig(**kv["kv_connector_extra_config"])
+    assert cfg.mooncake is not None and cfg.write_workers == (6 if argv else 4)
+    # vLLM's own serve parser takes the printed command.
+    parsed = harness.serve_parser().parse_args(cmd[4:])  # after "serve"
+    assert parsed.kv_transfer_config is not None
+
+
+def test_defaults_are_speculators():
+    ours = launch.parse_args(["m", "--hidden-states-backend", "mooncake"])
+    their = mooncake_parser().parse_args([])
+    assert {k: getattr(ours, k) for k in vars(their)} == vars(their)
+
+
+def test_fp8_with_mooncake_refused_with_the_reason():
+    with pytest.raises(ValueError, match="aminmax_cpu"):
+        HiddenStatesConfig(fp8=True, mooncake={})
+
+
+def test_mooncake_options_are_checked(capsys, hybrid):
+    err = fail(capsys, hybrid, "--hidden-states-backend", "mooncake", "--mooncake-master", "x")
+    assert "mooncake.master_server_address" in err
+    err = fail(
+        capsys,
+        hybrid,
+        "--hidden-states-backend=mooncake",
+        "--",
+        '--kv-transfer-config={"kv_connector_extra_config": {"mooncake": {}}}',
+    )
+    assert "use --hidden-states-backend mooncake and its --mooncake-* options" in err
+
+
+def test_storage_is_not_needed(hybrid_model):
+    """The scheduler side checks no folder with mooncake (the trainers may be elsewhere)."""
+    from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
+
+    cfg = HiddenStatesConfig(shared_storage_path="/proc/no", mooncake={})
+    sched = HybridHiddenStatesConnectorScheduler(cfg, [1, 2], 2048, hidden=8, dtype=None)
+    assert sched.keys is not None
+
+
+_ = argparse

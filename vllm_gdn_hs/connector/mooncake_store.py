@@ -1,0 +1,319 @@
+"""The mooncake backend: each request's rows as one object in a Mooncake store.
+
+Mirrors hs-connectors' ``MooncakeHiddenStatesConnector`` (0.9.0) on the wire, so that its
+reader, ``MooncakeTransfer`` (speculators' ``--hidden-states-backend mooncake``), reads our
+objects unchanged: the object is the raw bytes of ``hidden_states`` [T, L, H] in the model
+dtype and ``token_ids`` int64 [T] at the offsets of hs-connectors' own ``packed_layout``; the
+v1 manifest (:func:`manifest`) goes back in the response's ``kv_transfer_params``; a failure
+is the JSON object ``{"error": why}`` under ``key + ":error"``, which the reader raises at
+once. The key starts with hs-connectors' own ``sanitize_key(request_id)`` and ends with a tag
+unique to the request (:class:`KeyMaker`): ``sanitize_key`` maps many ids to one key, and
+request ids repeat across engines and restarts, so no client can make its object land on
+another request's.
+
+Unlike hs-connectors, the rows come from the connector's host buffers (nothing is read out
+of the KV cache, no block is held), and every put is hard-pinned: a full store refuses the
+put (-200) instead of evicting an object a trainer has not read yet. The writer then waits
+(:meth:`MooncakeStore.write`), so a full store slows the engine within ``write_backlog_gb``
+as slow storage does. Hard-pinned objects never expire: the reader deletes what it reads,
+and :meth:`MooncakeStore.close` removes what no reader took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import secrets
+import socket
+import threading
+import time
+
+import torch
+from hs_connectors.mooncake_store import VERSION, packed_layout
+
+from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.mooncake_config import MooncakeOptions
+
+logger = init_logger(__name__)
+
+ERROR_SUFFIX = ":error"  # hs-connectors' error object: key + ":error"
+NO_AVAILABLE_HANDLE = -200  # no room in any segment: store full (or not yet mounted again)
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900  # the master does not answer
+_MAX_KEY_STEM = 160
+_PRUNE_AT = 4096
+
+
+def _sanitize_key(request_id: str) -> str:
+    # hs-connectors' own function; its module imports vLLM, so only here, on use.
+    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
+
+    return sanitize_key(request_id)
+
+
+class KeyMaker:
+    """The scheduler side's keys: ``sanitize_key(request_id)`` (cut to 160 characters), then
+    ``-`` and a tag no other request of any engine gets (12 random hex digits drawn once
+    per scheduler, then a counter)."""
+
+    def __init__(self):
+        self.tag = secrets.token_hex(6)
+        self.count = 0
+
+    def key(self, request_id: str) -> str:
+        self.count += 1
+        return f"{_sanitize_key(request_id)[:_MAX_KEY_STEM]}-{self.tag}{self.count:x}"
+
+
+def manifest(key, num_tokens, num_layers, hidden, dtype, include_output_tokens=False) -> dict:
+    """hs-connectors' v1 transfer manifest for one request's object (as its connector builds
+    it in ``request_finished``), with its ``packed_layout``."""
+    tensors, total = packed_layout(
+        {
+            "hidden_states": ([num_tokens, num_layers, hidden], dtype),
+            "token_ids": ([num_tokens], torch.int64),
+        }
+    )
+    return {
+        "handle": key,
+        "version": VERSION,
+        "tensors": tensors,
+        "metadata": {
+            "num_tokens": num_tokens,
+            "total_aligned_bytes": total,
+            "extract_mode": "all" if include_output_tokens else "prompt_only",
+        },
+    }
+
+
+class MooncakeError(RuntimeError):
+    """A Mooncake call failed; the message names the call, the key and the status."""
+
+
+def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
+    """ValueError naming the address unless the master accepts a TCP connection (Mooncake's
+    own setup retries for about 90 s before it says only -1)."""
+    host, port = options.master()
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: cannot reach the Mooncake master at "
+            f"{options.master_server_address} ({e}): start mooncake_master there "
+            "(docs/mooncake.md), or pass its address with --mooncake-master "
+            "(kv_connector_extra_config.mooncake.master_server_address)"
+        ) from None
+
+
+class MooncakeStore:
+    """This server's Mooncake client: puts objects, error objects, and removes at shutdown
+    what it put and no reader took. ``write`` runs on the connector's write threads."""
+
+    def __init__(self, options: MooncakeOptions, *, error_retry_s=300.0, close_grace_s=30.0):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.options = options
+        self.error_retry_s, self.close_grace_s = error_retry_s, close_grace_s
+        check_master(options)
+        self.client = MooncakeDistributedStore()
+        rc = self.client.setup(
+            options.local_hostname,
+            options.metadata_server,
+            options.global_segment_size,
+            options.local_buffer_size,
+            options.protocol,
+            options.device_name,
+            options.master_server_address,
+        )
+        if rc != 0:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: Mooncake client setup failed (status {rc}) with the master "
+                f"at {options.master_server_address}, local_hostname "
+                f"{options.local_hostname!r}, metadata server {options.metadata_server!r}, "
+                f"protocol {options.protocol}: check that other hosts reach this one at "
+                "local_hostname (MOONCAKE_LOCAL_HOSTNAME) and that global_segment_size "
+                "(--mooncake-global-segment-gib) is 16 MiB or more and fits in host memory"
+            )
+        self.pin = ReplicateConfig()
+        self.pin.with_hard_pin = True  # refused when full, never evicted
+        self.lock = threading.Condition()
+        self.owned: set[str] = set()  # keys put and maybe not read yet
+        self.stats = dict(objects=0, bytes=0, errors=0, full_waits=0, full_waited_s=0.0)
+        self.waiting_full = 0  # writers waiting for room now
+        self.last_full_log = 0.0
+        self.closing_at: float | None = None
+        self.errors: queue.Queue = queue.Queue()
+        self.error_thread = threading.Thread(
+            target=self._error_loop, name="hs-mooncake-errors", daemon=True
+        )
+        self.error_thread.start()
+        logger.info(
+            "%s: Mooncake store at %s (%s, this client %s lends %.2f GiB); puts hard-pinned",
+            CONNECTOR_NAME,
+            options.master_server_address,
+            options.protocol,
+            options.local_hostname,
+            options.global_segment_size / 2**30,
+        )
+
+    # -- the object --------------------------------------------------------------------
+    def write(self, key: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Put one request's object, waiting while the store is full; MooncakeError else."""
+        hidden_states = hidden_states.contiguous()
+        n, num_layers, hidden = hidden_states.shape
+        spec = manifest(key, n, num_layers, hidden, hidden_states.dtype)
+        total = spec["metadata"]["total_aligned_bytes"]
+        ids = spec["tensors"]["token_ids"]
+        head = spec["tensors"]["hidden_states"]["nbytes"]
+        # The rows go as they lie in the host buffer; the token ids, with the padding
+        # around them, as a second small part: no copy of the rows.
+        tail = torch.zeros(total - head, dtype=torch.uint8)
+        at = ids["offset"] - head
+        tail[at : at + ids["nbytes"]].view(torch.int64).copy_(token_ids)
+        parts = [(hidden_states.data_ptr(), head), (tail.data_ptr(), tail.numel())]
+        registered = []
+        try:
+            for ptr, size in parts:  # RDMA sends only from registered memory
+                self._check("register_buffer", key, self.client.register_buffer(ptr, size))
+                registered.append(ptr)
+            self._put(key, [p for p, _ in parts], [s for _, s in parts])
+        finally:
+            for ptr in registered:
+                self.client.unregister_buffer(ptr)
+        with self.lock:
+            self.owned.add(key)
+            self.stats["objects"] += 1
+            self.stats["bytes"] += total
+            prune = len(self.owned) > _PRUNE_AT
+        if prune:  # forget what readers took, so the set stays small
+            self.unread()
+
+    def _put(self, key: str, ptrs: list[int], sizes: list[int]) -> None:
+        since, delay = None, 0.005
+        try:
+            while True:
+                rc = self.client.batch_put_from_multi_buffers([key], [ptrs], [sizes], self.pin)[0]
+                if rc != NO_AVAILABLE_HANDLE:
+                    return self._check("put", key, rc)
+                now = time.monotonic()
+                if since is None:
+                    since = now
+                    with self.lock:
+                        self.stats["full_waits"] += 1
+                        self.waiting_full += 1
+                if self.closing_at is not None and now - self.closing_at > self.close_grace_s:
+                    raise MooncakeError(f"the Mooncake store stayed full; {key} not put")
+                self._log_full(now - since)
+                time.sleep(delay)
+                delay = min(2 * delay, 0.2)
+        finally:
+            if since is not None:
+                with self.lock:
+                    self.waiting_full -= 1
+                    self.stats["full_waited_s"] += time.monotonic() - since
+
+    def _log_full(self, waited: float, every: float = 60.0) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.last_full_log < every:
+                return
+            self.last_full_log = now
+            waiting = self.waiting_full
+            mean = self.stats["bytes"] / max(self.stats["objects"], 1)
+        unread = len(self.unread())
+        logger.warning(
+            "%s: the Mooncake store is full: %d writes waiting (the longest %.0f s), %d objects "
+            "(%.2f GB) put by this server not read yet. Objects are hard-pinned and stay until "
+            "a trainer reads them, so extraction now runs at the trainers' pace; if this "
+            "lasts, check that a trainer reads from %s, or lend the store more memory "
+            "(--mooncake-global-segment-gib, here or on the trainers)",
+            CONNECTOR_NAME,
+            waiting,
+            waited,
+            unread,
+            unread * mean / 1e9,
+            self.options.master_server_address,
+        )
+
+    def unread(self) -> list[str]:
+        """The keys this server put that are still in the store (readers delete theirs)."""
+        with self.lock:
+            keys = list(self.owned)
+        if not keys:
+            return []
+        found = self.client.batch_is_exist(keys)
+        gone = {k for k, e in zip(keys, found, strict=True) if e == 0}
+        with self.lock:
+            self.owned -= gone
+        return [k for k, e in zip(keys, found, strict=True) if e != 0]
+
+    # -- the error object ----------------------------------------------------------------
+    def write_error(self, key: str, why: str) -> None:
+        """Put ``key:error`` (``{"error": why}``), so its reader fails at once: queued, and
+        retried for ``error_retry_s`` (through a master restart)."""
+        self.errors.put((key + ERROR_SUFFIX, why, time.monotonic() + self.error_retry_s))
+
+    def _error_loop(self) -> None:
+        while True:
+            item = self.errors.get()
+            if item is None:
+                return
+            key, why, deadline = item
+            data = json.dumps({"error": why[:4096]}).encode()
+            while True:
+                try:
+                    rc = self.client.put(key, data, self.pin)
+                except Exception as e:  # never let this thread die
+                    rc = repr(e)
+                if rc == 0:
+                    with self.lock:
+                        self.owned.add(key)
+                        self.stats["errors"] += 1
+                    break
+                now = time.monotonic()
+                closing = self.closing_at is not None and now - self.closing_at > 1.0
+                if now > deadline or closing:
+                    logger.error(
+                        "%s: could not put the error object %s (status %s): its reader "
+                        "waits until its own timeout",
+                        CONNECTOR_NAME,
+                        key,
+                        rc,
+                    )
+                    break
+                time.sleep(0.5)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def begin_close(self) -> None:
+        """Writers still waiting for room give up ``close_grace_s`` from now."""
+        if self.closing_at is None:
+            self.closing_at = time.monotonic()
+
+    def close(self) -> None:
+        """Put the queued error objects (briefly), then remove every object this server put
+        that no reader took: hard-pinned objects never expire."""
+        self.begin_close()
+        self.errors.put(None)
+        self.error_thread.join(timeout=self.close_grace_s)
+        removed = 0
+        for key in self.unread():
+            with contextlib.suppress(Exception):
+                removed += self.client.remove(key, True) == 0
+        logger.info(
+            "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d not read were "
+            "removed at shutdown",
+            CONNECTOR_NAME,
+            self.stats["objects"],
+            self.stats["bytes"] / 1e9,
+            self.stats["errors"],
+            removed,
+        )
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+    @staticmethod
+    def _check(call: str, key: str, rc) -> None:
+        if rc != 0:
+            hint = " (the master does not answer)" if rc == RPC_FAIL else ""
+            raise MooncakeError(f"Mooncake {call} of {key} returned {rc}{hint}")

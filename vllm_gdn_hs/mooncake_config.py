@@ -1,0 +1,55 @@
+"""The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``.
+
+The same object, with the same keys and meaning, as speculators' launcher puts there
+(``dataclasses.asdict`` of hs-connectors' ``MooncakeStoreConfig``, built by
+``launch_vllm.py --hidden-states-backend mooncake``), so a config written for hs-connectors'
+``MooncakeHiddenStatesConnector`` runs here unchanged. Apart from the connector, like
+:mod:`vllm_gdn_hs.config`, so the launcher checks it without importing torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GIB = 1024**3
+
+
+class MooncakeOptions(BaseModel):
+    """Where the Mooncake store is and how this server joins it (as a client)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    local_hostname: str = Field(
+        "localhost",
+        min_length=1,
+        description="the address other Mooncake clients reach this one at (the launcher sets "
+        "MOONCAKE_LOCAL_HOSTNAME, or this host's address)",
+    )
+    metadata_server: str = Field(
+        "P2PHANDSHAKE", min_length=1, description="etcd/HTTP metadata server, or P2PHANDSHAKE"
+    )
+    master_server_address: str = Field(
+        "127.0.0.1:50051", pattern=r"^\S+:\d{1,5}$", description="the mooncake_master, host:port"
+    )
+    global_segment_size: int = Field(
+        4 * GIB, ge=0, description="bytes this client lends the store for objects"
+    )
+    local_buffer_size: int = Field(2 * GIB, ge=0, description="the client's staging buffer")
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty: Mooncake's")
+    # speculators' --mooncake-writer-threads; here it sizes the connector's write_workers.
+    num_writer_threads: int = Field(4, ge=1, le=64)
+
+    def master(self) -> tuple[str, int]:
+        host, _, port = self.master_server_address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+FP8_REFUSED = (
+    "fp8 with the mooncake backend is not supported: hs-connectors' MooncakeTransfer hands the "
+    "trainer float8 hidden_states and their scales as stored, and speculators' sample check "
+    "then fails on the CPU ('aminmax_cpu' is not implemented for Float8_e4m3fn). Use "
+    "--hidden-states-backend mooncake (bf16), or fp8 with a shared file system"
+)
