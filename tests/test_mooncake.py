@@ -71,7 +71,9 @@ class RowsEngine(Engine):
         self.zero: set[str] = set()
         save = self.worker.save_hidden_states
 
-        def random_rows(rows, ids, qsl, pos):
+        def random_rows(hidden_states, req_ids, query_start_loc_cpu, positions):
+            # the hook's own names: the runner patches call it with keywords
+            rows, ids, qsl, pos = hidden_states, req_ids, query_start_loc_cpu, positions
             rows = torch.randn(rows.shape, generator=self.gen).bfloat16()
             for i, rid in enumerate(ids):
                 s, e = int(qsl[i]), int(qsl[i + 1])

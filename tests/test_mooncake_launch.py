@@ -40,8 +40,7 @@ ARGS = [
 @pytest.fixture
 def hybrid(tmp_path):
     from test_launch import text_hybrid_config
-
-    from vllm_gdn_hs.testing import write_config
+    from tiny_models import write_config
 
     return write_config(str(tmp_path / "m"), text_hybrid_config())
 

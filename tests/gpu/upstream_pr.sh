@@ -3,7 +3,7 @@
 # ${SITE:-/tmp/site} (the device bundle, as tests/run_gpu_suite.sh). Needs no network and does
 # not install this project: vLLM runs with its plugins off (VLLM_PLUGINS=), so what runs is
 # stock vLLM plus the patch; this checkout is on PYTHONPATH only for the test models and the
-# HF reference (vllm_gdn_hs.testing, vllm_gdn_hs.reference).
+# HF reference (tests/tiny_models.py, vllm_gdn_hs.reference).
 #   1. copies the installed vllm package to $PR_SITE and applies the patch there (git apply,
 #      or patch -p1 where git is missing; no fuzz either way);
 #   2. runs the unit tests the patch adds (CPU tests, run here against the patched copy);
