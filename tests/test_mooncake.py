@@ -328,7 +328,10 @@ def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, ca
     eng.until_finished("x", "y")
     handles = [eng.params(r)["handle"] for r in ("x", "y")]
     other = reader(master.address).store._store
-    assert [other.is_exist(h) for h in handles] == [1, 1]
+    deadline = time.monotonic() + 30  # drained: the drain thread is done; the puts may run on
+    while [other.is_exist(h) for h in handles] != [1, 1]:
+        assert time.monotonic() < deadline, "the objects were never put"
+        time.sleep(0.01)
     with caplog.at_level(logging.INFO):
         eng.worker.shutdown()
     assert [other.is_exist(h) for h in handles] == [0, 0]
