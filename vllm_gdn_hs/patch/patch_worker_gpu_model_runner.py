@@ -23,9 +23,10 @@ How, only when the connector is configured:
   has just freed) and handed, with a copy of their positions, the step's
   request ids and query start locations, to the connector through
   ``vllm_gdn_hs.hook.TakesHiddenStates`` (the active connector, or ours inside
-  ``MultiConnector``; any other connector is refused with a message at the first
-  step). The connector copies them to pinned host memory on a side stream and
-  keeps the tensors alive for it (``record_stream``); nothing here waits on the GPU;
+  ``MultiConnector``; any other connector is refused with a message at startup, when
+  the runner is made; on tensor-parallel ranks that do not write, nothing is stacked).
+  The connector copies them to pinned host memory on a side stream and keeps the
+  tensors alive for it (``record_stream``); nothing here waits on the GPU;
 - ``_determine_batch_execution_and_padding``: a step of one-token requests that
   starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
   decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but
@@ -46,7 +47,7 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.hook import hidden_states_connector
+from vllm_gdn_hs.hook import hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.patch import Patch
 
 _orig_init = GPUModelRunner.__init__
@@ -83,6 +84,8 @@ def set_up_extraction(self, vllm_config) -> None:
     ids = extraction_layer_ids(vllm_config)
     self.hidden_states_layer_ids = ids
     if ids:
+        # At startup, not at the first step: the connector must take the rows.
+        self.hidden_states_connector_class = hidden_states_connector_class(vllm_config)
         self.use_aux_hidden_state_outputs = True
         self.hidden_states_order = layer_order(ids)
 
@@ -96,8 +99,6 @@ def profile_run(self, *args, **kwargs) -> None:
 def profile_step(self) -> None:
     """Allocate what the hand-over of the largest step allocates: vLLM sizes the KV cache from
     the peak memory of ``profile_run``, whose dummy forward drops the aux states at once."""
-    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
-
     shape = (self.max_num_tokens, self.model_config.get_hidden_size())
     outputs = [  # the model's output and aux states, alive during the hand-over
         torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
@@ -105,7 +106,10 @@ def profile_step(self) -> None:
     ]
     rows = torch.stack(outputs[1:], dim=1)
     positions = torch.empty(shape[0], dtype=torch.int64, device=self.device)
-    HybridHiddenStatesConnector.profile_save_hidden_states(self.vllm_config, rows)
+    connector_class = getattr(self, "hidden_states_connector_class", None)
+    if connector_class is None:  # a runner made without set_up_extraction
+        connector_class = hidden_states_connector_class(self.vllm_config)
+    connector_class.profile_save_hidden_states(self.vllm_config, rows)
     del outputs, rows, positions
 
 
@@ -160,6 +164,8 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
     connector = getattr(self, "hidden_states_connector", None)
     if connector is None:  # first real step: the connector exists only after profiling
         connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
+    if not connector.wants_hidden_states():
+        return  # a tensor-parallel rank that does not write: nothing to stack or copy
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
     rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
     connector.save_hidden_states(
