@@ -689,3 +689,43 @@ def test_engine_thread_in_inference_mode(storage):
     w.close()
     assert torch.equal(load_file(path_of(storage, "i"))["hidden_states"], data)
     assert w.stats.files == 1
+
+
+def test_stats_reach_vllms_kv_connector_logging(storage):
+    """The connector's get_kv_connector_stats gives the writer's counters per interval, and
+    vLLM's own KVConnectorLogging rebuilds them through build_kv_connector_stats, sums the
+    intervals and logs them ("KV Transfer metrics: ...")."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    import vllm_gdn_hs
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+
+    vllm_gdn_hs.register()
+    connector = object.__new__(HybridHiddenStatesConnector)  # its worker side alone
+    connector._worker = w = make_writer(storage)
+    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+    vllm_log = KVConnectorLogging(kv)
+    assert connector.get_kv_connector_stats() is None  # nothing yet
+    written, real_add = threading.Semaphore(0), w.book.add
+
+    def add(**deltas):  # a file counted: the writer is done with it
+        real_add(**deltas)
+        for _ in range(deltas.get("files", 0)):
+            written.release()
+
+    w.book.add = add
+    for names in (["a", "b"], ["c"]):
+        new(w, storage, **dict.fromkeys(names, 2))
+        save(w, *((r, 0, rows(2)) for r in names))
+        finish(w, **{r: [1, 2] for r in names})
+        assert all(written.acquire(timeout=30) for _ in names)
+        stats = connector.get_kv_connector_stats()
+        assert stats.data["files"] == len(names) and stats.data["steps"] == 1
+        vllm_log.observe(stats.data)  # what the scheduler gets from the workers, as a dict
+    logged = []
+    vllm_log.log(lambda fmt, text: logged.append(fmt % text))
+    (line,) = logged
+    assert line.startswith("KV Transfer metrics: ") and "files=3" in line and "steps=2" in line
+    assert f"bytes={3 * 2 * L * H * 2}" in line and "failed" not in line  # zeros left out
+    w.close()
