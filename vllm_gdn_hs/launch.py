@@ -38,6 +38,8 @@ from vllm_gdn_hs.serve_args import (
     LaunchError,
     check_vllm_args,
     extra_vllm_args,
+    shutdown_args,
+    shutdown_env,
     take_kv_transfer_config,
 )
 
@@ -294,6 +296,7 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
     check_vllm_args(vllm_args, info)
     speculative_config = extraction_config(ids, args.hidden_states_path)["speculative_config"]
+    kv_transfer_config = backend.build_kv_transfer_config(args, user_kv)
     return [
         sys.executable,
         "-m",
@@ -303,8 +306,9 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
         "--speculative_config",
         json.dumps(speculative_config),
         "--kv_transfer_config",
-        json.dumps(backend.build_kv_transfer_config(args, user_kv)),
+        json.dumps(kv_transfer_config),
         *extra_vllm_args(vllm_args, info),
+        *shutdown_args(vllm_args, drain_seconds(kv_transfer_config)),
         *vllm_args,
     ]
 
@@ -330,6 +334,15 @@ def preflight(args: argparse.Namespace) -> None:
         )
 
 
+def drain_seconds(kv_transfer_config: dict) -> float:
+    """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
+    return extra.get("shutdown_drain_s", default)
+
+
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -342,9 +355,14 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     except ValueError as e:  # LaunchError, ModelConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+    env = shutdown_env(drain_seconds(kv))
     print("Running command:")
+    for key, value in env.items():  # time at shutdown for the answered requests' files
+        print(f"export {key}={shlex.quote(value)}")
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
+    os.environ.update(env)
     os.execvp(cmd[0], cmd)
     return 0  # not reached
