@@ -194,7 +194,8 @@ def checks(
             if CONNECTOR_NAME not in KVConnectorFactory._registry:
                 plugin_problem = (
                     "vLLM's plugin loader did not find vllm_gdn_hs: install the "
-                    "package (pip install vllm-gdn-hs), PYTHONPATH is not enough"
+                    "package into this environment (uv pip install -e . in its repository, "
+                    "as the README's Install), PYTHONPATH is not enough"
                 )
             patches = ", ".join(apply_patches()) or "none needed"
             runner = model_runner()

@@ -29,6 +29,9 @@ REFUSED: dict[str, str] = {}
 # The releases .ci/run runs the whole CPU suite on: the first, the last with vLLM's V1 GPU model
 # runner, and the newest; tests/matrix.sh runs the smoke set on every release.
 CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
+# Releases whose own pins do not resolve from the package index: vLLM 0.34.0 pins
+# flashinfer-python 0.7.3, which it lacks; the repository's overrides.txt takes 0.7.4.
+NEEDS_OVERRIDES = ("0.34.0",)
 # Which runner extraction runs on (patch/ applies a runner's patch only where it can run):
 # - Model Runner V2 carries extraction from 0.33.0, where it became vLLM's default runner for
 #   every model (hybrid ones included). Its patch is written against 0.33.0's runner and has
@@ -140,17 +143,27 @@ def nearest_release(version: Version) -> str:
     return min(RELEASES, key=distance)
 
 
+def install_command(release: str) -> str:
+    """The command that installs vLLM ``release`` beside this package."""
+    if release in NEEDS_OVERRIDES:
+        return (
+            f"uv pip install 'vllm=={release}' --override overrides.txt (the file is in "
+            f"{DIST_NAME}'s repository: vLLM {release} pins a flashinfer-python the index lacks)"
+        )
+    return f"pip install 'vllm=={release}'"
+
+
 def check_vllm(version: Version | None = None) -> Version:
     """Return the installed vLLM version, or raise naming the supported ones and the nearest."""
     version = version if version is not None else installed_vllm()
     if version is None:
         raise UnsupportedVllmError(
             f"vLLM is not installed; {DIST_NAME} needs vllm {describe_releases()}: "
-            f"pip install 'vllm=={RELEASES[-1]}'"
+            f"{install_command(RELEASES[-1])}"
         )
     # Compare the release only: local builds (0.20.1+cu130) are the same release.
     release = version.base_version
-    install = f"pip install 'vllm=={nearest_release(version)}'"
+    install = install_command(nearest_release(version))
     if release in REFUSED:
         raise UnsupportedVllmError(
             f"{DIST_NAME} refuses vllm {version}: {REFUSED[release]}. "
