@@ -445,6 +445,11 @@ def test_curl_request_is_speculators_request():
 
 def test_shown_response_names_the_file():
     shown = [json.loads(body) for lang, body in blocks(readme()) if lang == "json"]
+    # or inline: `"kv_transfer_params": {...}`
+    shown += [
+        json.loads("{" + m + "}")
+        for m in re.findall(r'`("kv_transfer_params": \{.*?\})`', readme())
+    ]
     paths = [
         r["kv_transfer_params"]["hidden_states_path"] for r in shown if "kv_transfer_params" in r
     ]
