@@ -37,6 +37,7 @@ from vllm_gdn_hs.model_info import (
 from vllm_gdn_hs.serve_args import (
     LaunchError,
     check_vllm_args,
+    drain_seconds,
     extra_vllm_args,
     shutdown_args,
     shutdown_env,
@@ -332,15 +333,6 @@ def preflight(args: argparse.Namespace) -> None:
             + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the "
             "command"
         )
-
-
-def drain_seconds(kv_transfer_config: dict) -> float:
-    """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
-    from vllm_gdn_hs.config import HiddenStatesConfig
-
-    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
-    default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
-    return extra.get("shutdown_drain_s", default)
 
 
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:

@@ -158,6 +158,15 @@ SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 TEARDOWN_S = 30
 
 
+def drain_seconds(kv_transfer_config: dict) -> float:
+    """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
+    return extra.get("shutdown_drain_s", default)
+
+
 def shutdown_window(drain_s: float) -> int:
     """Seconds an engine core process needs between SIGTERM and exit."""
     return math.ceil(drain_s) + TEARDOWN_S
@@ -179,11 +188,12 @@ def engine_wait_from_env() -> bool:
     return "def get_engine_process_shutdown_timeout" in source and SHUTDOWN_ENV in source
 
 
-def shutdown_env(drain_s: float, environ=os.environ) -> dict[str, str]:
+def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
     """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``: how long vLLM waits for its engine core (0.33.0
     on) and worker processes after SIGTERM; running requests are still aborted at once. What
     the user set is kept, with a warning if it is shorter than :func:`shutdown_window`."""
     window = shutdown_window(drain_s)
+    environ = os.environ if environ is None else environ  # now, not at import
     if SHUTDOWN_ENV not in environ:
         return {SHUTDOWN_ENV: str(window)}
     if not _at_least(environ[SHUTDOWN_ENV], window):
