@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     plain, ours = [], []
     step = 0
     while step < args.steps:  # blocks of 10 steps each way; plain blocks start drained
-        while not (writer.tasks.empty() and all(s.free.is_set() for s in writer.ring.slots)):
+        while not (writer.drain.tasks.empty() and all(s.free.is_set() for s in writer.ring.slots)):
             time.sleep(0.001)
         for _ in range(10):
             t = time.perf_counter()
@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> dict:
             # The engine's own work is timed, plus any wait for a free host buffer: on a
             # GPU, save() is otherwise a few asynchronous launches (here, a CPU copy). The
             # drain thread files the rows while the next engine step runs.
-            waited = writer.timing["engine_waited_s"]
+            waited = writer.stats.engine_waited_s
             writer.save(rows, ids, qsl, torch.full((args.requests,), args.prompt + step))
-            waited = writer.timing["engine_waited_s"] - waited  # back-pressure: counted
+            waited = writer.stats.engine_waited_s - waited  # back-pressure: counted
             t = time.perf_counter()
             engine_step(x, args.ops_per_step)
             ours.append(time.perf_counter() - t + waited)
@@ -119,9 +119,9 @@ def run(args: argparse.Namespace) -> dict:
         "engine_step_ms": round(p * 1e3, 3),
         "engine_step_with_writer_ms": round(o * 1e3, 3),
         "ratio": round(o / p, 3),
-        "files": writer.stats["files"],
-        "engine_waited_s": round(writer.timing["engine_waited_s"], 3),
-        "writer": writer.timing_summary(),
+        "files": writer.stats.files,
+        "engine_waited_s": round(writer.stats.engine_waited_s, 3),
+        "writer": writer.stats.timing_summary(),
         "cpu_cores": os.cpu_count(),
         "skip_filing": args.skip_filing,
     }

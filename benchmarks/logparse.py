@@ -7,7 +7,9 @@ import re
 
 KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-# The writer's last progress or shutdown line: files, bytes, its host cost per engine step.
+# The writer's last progress or shutdown line: files, bytes, its host cost per engine step
+# (WriterStats.progress_line / shutdown_line in vllm_gdn_hs/connector/stats.py; in-process
+# benchmarks read the WriterStats object itself, through the worker's stats).
 WRITER_RE = re.compile(
     r"HybridHiddenStatesConnector: ((?:shut down; |\d+ files ).*per step.*)$", re.M
 )

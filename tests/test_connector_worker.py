@@ -18,6 +18,7 @@ import errno
 import fcntl
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -28,7 +29,7 @@ from safetensors.torch import load_file
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.config import HiddenStatesConfig
-from vllm_gdn_hs.connector import request_rows, worker
+from vllm_gdn_hs.connector import request_rows, staging, worker
 from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
     HybridHiddenStatesConnectorMetadata,
@@ -150,7 +151,7 @@ def test_two_requests_chunked_and_overwritten(writer, storage):
         assert got["token_ids"].dtype == torch.int64
         assert got["token_ids"].tolist() == tokens
         assert lock_state(path_of(storage, req)) == "free"  # the reader deletes it
-    assert writer.stats["files"] == 2 and writer.stats["failed"] == 0
+    assert writer.stats.files == 2 and writer.stats.failed == 0
     assert leftovers(storage) == []
 
 
@@ -186,8 +187,8 @@ def test_reserved_output_rows_and_a_long_run(writer, storage):
     assert torch.equal(
         load_file(path_of(storage, "g"))["hidden_states"], torch.cat([prompt, *outs])
     )
-    assert writer.timing["steps"] == 7 and writer.timing["drain_s"] > 0
-    assert writer.timing_summary().startswith("7 steps; per step ")
+    assert writer.stats.steps == 7 and writer.stats.drain_s > 0
+    assert writer.stats.timing_summary().startswith("7 steps; per step ")
 
 
 def test_reservation_refused_falls_back_to_growing(writer, storage, monkeypatch):
@@ -241,9 +242,9 @@ def test_decode_rows_are_filed_once_a_request_skips_a_step(writer, storage):
     save(writer, ("a", 3, rows(1)), ("b", 3, rows(1)))
     save(writer, ("b", 4, rows(1)))
     assert writer.drained(10)
-    a, b = writer.requests["a"], writer.requests["b"]
+    a, b = writer.drain.requests["a"].rows, writer.drain.requests["b"].rows
     assert a.pending == [] and bytes(a.seen[:4]) == b"\x01" * 4
-    assert len(b.pending) == 5 and writer.deferring == {b}
+    assert len(b.pending) == 5 and writer.drain.deferring == {b}
 
 
 def test_reader_gets_the_lock_only_once_the_file_is_complete(writer, storage):
@@ -277,9 +278,9 @@ def test_aborted_request_leaves_nothing(writer, storage):
     assert not os.path.exists(path_of(storage, "x"))
     assert lock_state(path_of(storage, "x")) == "absent"
     assert torch.equal(load_file(path_of(storage, "y"))["hidden_states"], y)
-    assert writer.stats["aborted"] == 1 and writer.stats["files"] == 1
+    assert writer.stats.aborted == 1 and writer.stats.files == 1
     # Rows for a request the writer no longer knows are ignored.
-    assert "x" not in writer.requests
+    assert "x" not in writer.drain.requests
 
 
 def test_missing_rows_refused(writer, storage, caplog):
@@ -295,7 +296,7 @@ def test_missing_rows_refused(writer, storage, caplog):
     ((_, msg),) = msgs
     assert "request 'm':" in msg and path in msg
     assert "hidden states missing for token positions [3, 4]" in msg
-    assert writer.stats["failed"] == 1
+    assert writer.stats.failed == 1
 
 
 def test_token_ids_past_the_rows_refused(writer, storage, caplog):
@@ -360,7 +361,20 @@ def test_full_disk_logged_and_others_written(writer, storage, caplog, monkeypatc
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(msgs) == 1
     assert "request 'full':" in msgs[0] and "No space left on device" in msgs[0]
-    assert writer.stats["failed"] == 1 and writer.stats["files"] == 1
+    assert writer.stats.failed == 1 and writer.stats.files == 1
+
+
+def backlog_waits(w) -> queue.Queue:
+    """The backlog (bytes) each time the drain thread starts waiting on write_backlog_gb: the
+    writer's condition is waited on there and nowhere else."""
+    entered, real_wait = queue.Queue(), w.writer.cond.wait
+
+    def wait(timeout=None):
+        entered.put(w.writer.backlog_bytes)  # under the condition's lock: a steady figure
+        return real_wait(timeout)
+
+    w.writer.cond.wait = wait
+    return entered
 
 
 def test_write_backlog_bounded_and_nothing_lost(storage, caplog, monkeypatch):
@@ -376,20 +390,20 @@ def test_write_backlog_bounded_and_nothing_lost(storage, caplog, monkeypatch):
     monkeypatch.setattr(os, "replace", slow_replace)
     per_request = 8 * L * H * 2  # 8 rows of bf16
     w = make_writer(storage, write_workers=1, write_backlog_gb=3 * per_request / 1e9)
+    waits = backlog_waits(w)
     data = {f"r{i}": rows(8) for i in range(6)}
     new(w, storage, **{r: 8 for r in data})
     save(w, *((r, 0, x) for r, x in data.items()))
     finish(w, **{r: list(range(8)) for r in data})
-    deadline = time.monotonic() + 10
-    while w.pending_writes < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)  # unbounded, the drain thread would queue the 4th write by now
-    assert (w.pending_writes, w.backlog_bytes) == (3, 3 * per_request)
+    # The drain thread waits with 3 writes queued (none can end while the gate is shut);
+    # unbounded, it would queue all 6 and never wait.
+    assert waits.get(timeout=30) == 3 * per_request
+    assert (w.stats.writing, w.stats.backlog_bytes) == (3, 3 * per_request)
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("write_backlog_gb" in m and "faster storage" in m for m in msgs), msgs
     gate.set()
     w.close(timeout=30)
-    assert (w.pending_writes, w.backlog_bytes, w.stats["files"]) == (0, 0, 6)
+    assert (w.stats.writing, w.stats.backlog_bytes, w.stats.files) == (0, 0, 6)
     for r, x in data.items():
         assert torch.equal(load_file(path_of(storage, r))["hidden_states"], x)
     assert leftovers(storage) == []
@@ -412,26 +426,36 @@ def test_write_backlog_warned_once_and_its_wait_timed(storage, caplog, monkeypat
     # 8 + 7 + 6 rows fill the backlog; 5 waits (backlog 21 rows), then 4 (backlog 18 rows)
     lengths = {f"r{n}": n for n in (8, 7, 6, 5, 4, 3)}
     w = make_writer(storage, write_workers=1, write_backlog_gb=21.5 * per_row / 1e9)
+    waits = backlog_waits(w)
     data = {r: rows(n) for r, n in lengths.items()}
     new(w, storage, **lengths)
     save(w, *((r, 0, x) for r, x in data.items()))
     finish(w, **{r: list(range(n)) for r, n in lengths.items()})
     for expect in (21, 18):  # one write at a time; the drain waits again with a new figure
-        deadline = time.monotonic() + 10
-        while w.backlog_bytes != expect * per_row and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-        assert w.backlog_bytes == expect * per_row
+        assert waits.get(timeout=30) == expect * per_row
         gate.release()
     for _ in lengths:
         gate.release()
     w.close(timeout=30)
-    assert w.stats["files"] == len(lengths)
+    assert w.stats.files == len(lengths)
+    assert waits.empty()  # it waited twice, no more
     warned = [r for r in caplog.records if "write_backlog_gb=" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]
-    assert w.timing["backlog_waited_s"] >= 0.1
+    assert w.stats.backlog_waited_s > 0
     (shut,) = [r.getMessage() for r in caplog.records if "shut down" in r.getMessage()]
     assert "s of drain waiting on write_backlog_gb" in shut, shut
+
+
+class _Clock:
+    """time.monotonic for the host ring: each reading 0.6 s after the last, so every wait for a
+    host buffer measures 0.6 s, past the 0.5 s warning threshold, however fast it was."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 0.6
+        return self.now
 
 
 def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
@@ -440,22 +464,33 @@ def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
     """A drain slower than the steps (one host buffer, filing rows held up): the engine
     thread waits in save() for the buffer; one warning, which says no file was being
     written (so the advice is host_buffers, not faster storage), and the wait is counted."""
+    monkeypatch.setattr(staging, "time", _Clock())
+    engine_waiting = threading.Semaphore(0)
     real_put = request_rows.RequestRows.put
 
-    def slow_put(self, *args):
-        time.sleep(0.7)
+    def held_put(self, *args):  # a and b are filed only once the engine waits for the buffer
+        if self.req.req_id != "c":
+            assert engine_waiting.acquire(timeout=30)
         return real_put(self, *args)
 
-    monkeypatch.setattr(request_rows.RequestRows, "put", slow_put)
+    monkeypatch.setattr(request_rows.RequestRows, "put", held_put)
     caplog.set_level(logging.INFO, logger=LOGGER)
     w = make_writer(storage, host_buffers=1)
+    (slot,) = w.ring.slots
+    real_wait = slot.free.wait
+
+    def wait(timeout=None):
+        engine_waiting.release()
+        return real_wait(timeout)
+
+    slot.free.wait = wait
     data = {r: rows(40) for r in ("a", "b", "c")}
     new(w, storage, **dict.fromkeys(data, 40))
     for r, x in data.items():  # one step each: the 2nd and 3rd wait for the one buffer
         save(w, (r, 0, x))
     finish(w, **{r: list(range(40)) for r in data})
     w.close(timeout=30)
-    assert w.stats["files"] == 3 and w.timing["engine_waited_s"] > 1.0
+    assert w.stats.files == 3 and w.stats.engine_waited_s == pytest.approx(1.2)
     warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "with 0 files being written" in warned[0] and "host_buffers" in warned[0]
@@ -526,7 +561,7 @@ def test_vanished_folder_made_again_and_every_file_written(writer, storage, capl
     made = [r.getMessage() for r in caplog.records if "made it again" in r.getMessage()]
     assert len(made) == 2, made
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-    assert writer.stats["files"] == 2 and writer.stats["failed"] == 0
+    assert writer.stats.files == 2 and writer.stats.failed == 0
     assert leftovers(sub) == []
 
 
@@ -561,7 +596,7 @@ def test_close_drains_everything(storage):
         assert torch.equal(load_file(path_of(storage, r))["hidden_states"], d)
         assert lock_state(path_of(storage, r)) == "free"
     assert lock_state(path_of(storage, "never")) == "absent"
-    assert w.stats["files"] == len(data) and w.pending_writes == 0 and w.requests == {}
+    assert w.stats.files == len(data) and w.stats.writing == 0 and w.drain.requests == {}
 
 
 def test_duplicate_new_request_keeps_rows(writer, storage):
@@ -653,4 +688,44 @@ def test_engine_thread_in_inference_mode(storage):
         finish(w, i=[1, 2, 3, 4])
     w.close()
     assert torch.equal(load_file(path_of(storage, "i"))["hidden_states"], data)
-    assert w.stats["files"] == 1
+    assert w.stats.files == 1
+
+
+def test_stats_reach_vllms_kv_connector_logging(storage):
+    """The connector's get_kv_connector_stats gives the writer's counters per interval, and
+    vLLM's own KVConnectorLogging rebuilds them through build_kv_connector_stats, sums the
+    intervals and logs them ("KV Transfer metrics: ...")."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    import vllm_gdn_hs
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+
+    vllm_gdn_hs.register()
+    connector = object.__new__(HybridHiddenStatesConnector)  # its worker side alone
+    connector._worker = w = make_writer(storage)
+    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+    vllm_log = KVConnectorLogging(kv)
+    assert connector.get_kv_connector_stats() is None  # nothing yet
+    written, real_add = threading.Semaphore(0), w.book.add
+
+    def add(**deltas):  # a file counted: the writer is done with it
+        real_add(**deltas)
+        for _ in range(deltas.get("files", 0)):
+            written.release()
+
+    w.book.add = add
+    for names in (["a", "b"], ["c"]):
+        new(w, storage, **dict.fromkeys(names, 2))
+        save(w, *((r, 0, rows(2)) for r in names))
+        finish(w, **{r: [1, 2] for r in names})
+        assert all(written.acquire(timeout=30) for _ in names)
+        stats = connector.get_kv_connector_stats()
+        assert stats.data["files"] == len(names) and stats.data["steps"] == 1
+        vllm_log.observe(stats.data)  # what the scheduler gets from the workers, as a dict
+    logged = []
+    vllm_log.log(lambda fmt, text: logged.append(fmt % text))
+    (line,) = logged
+    assert line.startswith("KV Transfer metrics: ") and "files=3" in line and "steps=2" in line
+    assert f"bytes={3 * 2 * L * H * 2}" in line and "failed" not in line  # zeros left out
+    w.close()

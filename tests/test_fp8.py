@@ -73,7 +73,7 @@ def extract(folder, data: dict[str, torch.Tensor], fp8: bool) -> dict[str, str]:
     fin = [FinishedRequest(r, list(range(len(d)))) for r, d in data.items()]
     worker.on_metadata(HybridHiddenStatesConnectorMetadata(finished_requests=fin))
     worker.close(timeout=30)
-    assert worker.stats["files"] == len(data), worker.stats
+    assert worker.stats.files == len(data), worker.stats
     return paths
 
 
@@ -156,7 +156,7 @@ def test_rows_are_checked_before_quantization(tmp_path, caplog):
     fin = [FinishedRequest(r, list(range(6))) for r in reqs]
     worker.on_metadata(HybridHiddenStatesConnectorMetadata(finished_requests=fin))
     worker.close(timeout=30)
-    assert worker.stats["failed"] == 2 and os.listdir(tmp_path) == []
+    assert worker.stats.failed == 2 and os.listdir(tmp_path) == []
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "all-zero rows at token positions [3]" in text
     assert "non-finite values at token positions [2]" in text

@@ -324,10 +324,10 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
             files, "request_path", for_victim(files.request_path, lambda folder, rid: rid)
         )
     elif stage == "lock":
-        monkeypatch.setattr(
-            request_rows,
+        monkeypatch.setattr(  # the file storage takes the lock as the request starts
+            files,
             "take_lock",
-            for_victim(request_rows.take_lock, lambda p: name_of.get(os.path.basename(p))),
+            for_victim(files.take_lock, lambda p: name_of.get(os.path.basename(p))),
         )
     elif stage == "host-buffer":
         monkeypatch.setattr(

@@ -86,7 +86,7 @@ class RowsEngine(Engine):
         self.worker.save_hidden_states = random_rows
 
     def store(self) -> mooncake_store.MooncakeStore:
-        return self.worker._worker.store
+        return self.worker._worker.storage.store
 
     def until_finished(self, *rids: str, limit: int = 50) -> None:
         for _ in range(limit):
@@ -246,7 +246,7 @@ def run_full_store(eng: RowsEngine, rids: list[str], slow: SlowReader) -> int:
 
     def watch():
         while not done.is_set():
-            most[0] = max(most[0], worker.backlog_bytes)
+            most[0] = max(most[0], worker.writer.backlog_bytes)
             time.sleep(0.001)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -309,7 +309,7 @@ def test_a_reader_that_never_comes(hybrid_model, master, tmp_path, caplog):
     assert engine.is_alive()  # held back by the full store
     unread = store.unread()
     assert 0 < len(unread) < len(rids)  # the store holds what fits, nothing was evicted
-    assert worker.backlog_bytes <= BACKLOG * 1e9 + sample_bytes(eng)
+    assert worker.writer.backlog_bytes <= BACKLOG * 1e9 + sample_bytes(eng)
 
     late.start_when = lambda: True  # the reader comes after all: every sample is there
     late.start()

@@ -377,6 +377,12 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
 
 
 class FakeReference:
+    """HFReference's interface; each file's error grows with its length (1e-5 per token, HF
+    bf16's 1e-3), so the summary's worst ratio tells whether the client fed every file in."""
+
+    def __init__(self):
+        self.lengths: list[int] = []  # of each sequence the client checked
+
     def __call__(self, prompt):  # soak.main warms the reference up
         return None
 
@@ -386,7 +392,9 @@ class FakeReference:
 
     def check(self, data, seq):
         ok = data["token_ids"].tolist() == seq and data["hidden_states"].shape[0] == len(seq)
-        return {"problems": [] if ok else ["differs"], "ours": [1e-3] * 4, "hf_bf16": [2e-3] * 4}
+        self.lengths.append(len(seq))
+        ours = [1e-5 * len(seq)] * 4
+        return {"problems": [] if ok else ["differs"], "ours": ours, "hf_bf16": [1e-3] * 4}
 
 
 @pytest.mark.parametrize("leak", [False, True])
@@ -402,7 +410,12 @@ def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     tmp.mkdir()
     monkeypatch.setattr(soak, "TMP", str(tmp))
     monkeypatch.setattr(soak, "LOCK_GRACE_S", 0)
-    monkeypatch.setattr(vllm_gdn_hs.reference, "HFReference", lambda *a, **kw: FakeReference())
+    refs: list[FakeReference] = []
+    monkeypatch.setattr(
+        vllm_gdn_hs.reference,
+        "HFReference",
+        lambda *a, **kw: refs.append(FakeReference()) or refs[-1],
+    )
     build = lambda path: write_config(path, hybrid_config_dict())  # noqa: E731
     monkeypatch.setattr(tiny_models, "build_tiny_hybrid", build)
     servers = []
@@ -432,8 +445,10 @@ def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     assert files_["verified"] + files_["gone_with_folder"] == outcomes["file"]
     assert files_["on_disk"] == files_["check"] > 0
     assert outcomes["none"] == 60 and outcomes["refused"] >= 27 and outcomes["http_400"] >= 24
-    assert (
-        summary["accuracy"]["worst_file"]["worst_ratio"] == 0.5
-        and summary["args"]["requests"] == 450
-    )
+    # Every file the client read went through the reference once, and the worst of them is
+    # in the summary (the longest sequence: 1e-5 per token against HF bf16's 1e-3).
+    (ref,) = refs
+    assert len(ref.lengths) == files_["verified"]
+    assert summary["accuracy"]["worst_file"]["worst_ratio"] == round(max(ref.lengths) / 100, 3)
+    assert summary["args"]["requests"] == 450
     assert len(json.dumps(summary)) < 20_000

@@ -42,6 +42,13 @@ class HiddenStatesConfig(BaseModel):
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"
     )
+    shutdown_drain_s: float = Field(
+        120.0,
+        ge=0,
+        le=86_400,
+        description="at shutdown (SIGINT, SIGTERM), seconds to finish writing every answered "
+        "request's file; any not written by then loses its lock and is counted in the log",
+    )
     allow_custom_save_path: bool = False
     # As vLLM's ExampleHiddenStatesConnector: off only for offline runs whose files are read
     # after the server has finished (no <file>.lock then; speculators' online reader needs it).

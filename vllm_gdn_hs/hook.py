@@ -1,14 +1,19 @@
 """The hook between the patched model runner and the connector that takes its rows.
 
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) calls this method after
-every forward pass; :class:`vllm_gdn_hs.connector.HybridHiddenStatesConnector` implements
-it. Kept apart from the connector so that the patch can import it in every vLLM process
-without loading the connector.
+The runner patch (``patch/patch_worker_gpu_model_runner.py``) checks at startup, when the
+runner is made, that the configured connector class implements :class:`TakesHiddenStates`
+(:func:`hidden_states_connector_class`), sizes the hand-over through it in ``profile_run``
+(before any connector exists), and calls :meth:`TakesHiddenStates.save_hidden_states` after
+every forward pass on ranks where :meth:`TakesHiddenStates.wants_hidden_states` says so;
+:class:`vllm_gdn_hs.connector.HybridHiddenStatesConnector` implements it. Kept apart from the
+connector so that the patch can import it in every vLLM process without loading the connector.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
+
+_FIX = "use kv_connector HybridHiddenStatesConnector, alone or inside MultiConnector"
 
 
 @runtime_checkable
@@ -19,6 +24,15 @@ class TakesHiddenStates(Protocol):
         are the runner's to drop after the call: a copy made later on another stream must
         keep them alive (``record_stream``)."""
 
+    def wants_hidden_states(self) -> bool:
+        """Whether this rank's connector takes rows at all (tensor-parallel ranks that do not
+        write take none: the runner then stacks nothing)."""
+
+    @staticmethod
+    def profile_save_hidden_states(vllm_config, hidden_states) -> None:
+        """The GPU work of ``save_hidden_states`` on dummy rows of the largest step, in the
+        runner's ``profile_run``, so that the KV cache is sized with its temporaries."""
+
 
 def hidden_states_connector(connector: object) -> TakesHiddenStates:
     """The connector that takes the rows: the active one, or the one inside vLLM's
@@ -28,6 +42,34 @@ def hidden_states_connector(connector: object) -> TakesHiddenStates:
             return candidate
     raise RuntimeError(
         f"hidden states are extracted but the KV connector {type(connector).__name__} does not "
-        "take them (no save_hidden_states): use kv_connector HybridHiddenStatesConnector, "
-        "alone or inside MultiConnector"
+        f"take them (no save_hidden_states): {_FIX}"
     )
+
+
+def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
+    """At startup, before any connector exists: the class of the configured connector that
+    will take the rows (the configured one, or one listed inside ``MultiConnector``), as vLLM's
+    connector factory resolves it; RuntimeError naming the fix if none does."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    kv = vllm_config.kv_transfer_config
+    names = [getattr(kv, "kv_connector", None)]
+    names += [c.get("kv_connector") for c in _sub_configs(kv)]
+    for name in names:
+        if not name:
+            continue
+        try:
+            cls = KVConnectorFactory.get_connector_class_by_name(name)
+        except ValueError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, TakesHiddenStates):
+            return cls
+    raise RuntimeError(
+        f"hidden states are extracted but the KV connector {names[0]!r} does not take them "
+        f"(no save_hidden_states): {_FIX}"
+    )
+
+
+def _sub_configs(kv) -> list[dict]:
+    connectors = (getattr(kv, "kv_connector_extra_config", None) or {}).get("connectors")
+    return [c for c in connectors or () if isinstance(c, dict)]

@@ -37,7 +37,10 @@ from vllm_gdn_hs.model_info import (
 from vllm_gdn_hs.serve_args import (
     LaunchError,
     check_vllm_args,
+    drain_seconds,
     extra_vllm_args,
+    shutdown_args,
+    shutdown_env,
     take_kv_transfer_config,
 )
 
@@ -294,6 +297,7 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
     check_vllm_args(vllm_args, info)
     speculative_config = extraction_config(ids, args.hidden_states_path)["speculative_config"]
+    kv_transfer_config = backend.build_kv_transfer_config(args, user_kv)
     return [
         sys.executable,
         "-m",
@@ -303,8 +307,9 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
         "--speculative_config",
         json.dumps(speculative_config),
         "--kv_transfer_config",
-        json.dumps(backend.build_kv_transfer_config(args, user_kv)),
+        json.dumps(kv_transfer_config),
         *extra_vllm_args(vllm_args, info),
+        *shutdown_args(vllm_args, drain_seconds(kv_transfer_config)),
         *vllm_args,
     ]
 
@@ -342,9 +347,14 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     except ValueError as e:  # LaunchError, ModelConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
+    env = shutdown_env(drain_seconds(kv))
     print("Running command:")
+    for key, value in env.items():  # time at shutdown for the answered requests' files
+        print(f"export {key}={shlex.quote(value)}")
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
+    os.environ.update(env)
     os.execvp(cmd[0], cmd)
     return 0  # not reached

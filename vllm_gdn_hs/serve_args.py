@@ -4,7 +4,10 @@ hidden-state extraction, and completed with the flags extraction needs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import sys
 
 from vllm_gdn_hs import CONNECTOR_NAME
@@ -143,3 +146,85 @@ def _has_flashinfer() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("flashinfer") is not None
+
+
+# -- shutdown: time for the answered requests' files -----------------------------------------
+# On SIGINT/SIGTERM vLLM's API server stops its engine core processes: SIGTERM, then SIGKILL
+# after a wait. With --shutdown-timeout 0 (vLLM's default: abort what is running) that wait is
+# 0 s on 0.33.0 and 0.34.0 unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, and 5 s on
+# 0.20.1, which does not read that variable there. The connector needs shutdown_drain_s to
+# write every answered request's file, plus vLLM's own teardown.
+SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+TEARDOWN_S = 30
+
+
+def drain_seconds(kv_transfer_config: dict) -> float:
+    """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
+    default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
+    return extra.get("shutdown_drain_s", default)
+
+
+def shutdown_window(drain_s: float) -> int:
+    """Seconds an engine core process needs between SIGTERM and exit."""
+    return math.ceil(drain_s) + TEARDOWN_S
+
+
+def engine_wait_from_env() -> bool:
+    """Whether this vLLM waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` for its engine core
+    processes with ``--shutdown-timeout 0`` (``get_engine_process_shutdown_timeout``, read from
+    its source without importing vLLM, which would take seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(spec.submodule_search_locations[0], "v1", "engine", "utils.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        return False
+    return "def get_engine_process_shutdown_timeout" in source and SHUTDOWN_ENV in source
+
+
+def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
+    """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``: how long vLLM waits for its engine core (0.33.0
+    on) and worker processes after SIGTERM; running requests are still aborted at once. What
+    the user set is kept, with a warning if it is shorter than :func:`shutdown_window`."""
+    window = shutdown_window(drain_s)
+    environ = os.environ if environ is None else environ  # now, not at import
+    if SHUTDOWN_ENV not in environ:
+        return {SHUTDOWN_ENV: str(window)}
+    if not _at_least(environ[SHUTDOWN_ENV], window):
+        _warn_short(f"{SHUTDOWN_ENV}={environ[SHUTDOWN_ENV]}", window)
+    return {}
+
+
+def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
+    """``--shutdown-timeout`` where vLLM does not wait ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
+    for its engine core (0.20.1: running requests then finish first, within the same window);
+    nothing if the user passed it (a warning if it is shorter than :func:`shutdown_window`)."""
+    window = shutdown_window(drain_s)
+    user = _last_value(vllm_args, {"--shutdown-timeout"})
+    if user is not None:
+        if user[1] != "0" and not _at_least(user[1], window):
+            _warn_short(f"{user[0]} {user[1]}", window)
+        return []
+    return [] if engine_wait_from_env() else ["--shutdown-timeout", str(window)]
+
+
+def _at_least(value: str | None, window: int) -> bool:
+    try:
+        return float(value) >= window
+    except (TypeError, ValueError):
+        return False
+
+
+def _warn_short(what: str, window: int) -> None:
+    print(
+        f"warning: {what} may stop vLLM's engine core before the hidden-state files of "
+        f"answered requests are written: it needs {window} s (shutdown_drain_s plus "
+        f"{TEARDOWN_S} s of teardown); files not written lose their lock.",
+        file=sys.stderr,
+    )

@@ -635,7 +635,9 @@ def wait_healthy(proc, url: str, log_path: str, timeout: float = 300) -> None:
 
 
 def stop_server(proc) -> None:
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+    # The connector may take shutdown_drain_s (120 s) to write answered files, and vLLM its
+    # teardown after that: the launcher's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (150 s).
+    for sig, wait in ((signal.SIGTERM, 200), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)  # the session we started it in
             proc.wait(wait)

@@ -9,7 +9,9 @@ hands each call to its side:
 - :mod:`.scheduler`: which file each request gets (``vllm_gdn_hs.files``), and the token ids
   to write once it finishes;
 - :mod:`.worker`: the rows of each step, from the GPU through the pinned host ring
-  (:mod:`.staging`) into each request's rows (:mod:`.request_rows`), then the file;
+  (:mod:`.staging`) and the drain thread (:mod:`.drain`) into each request's rows
+  (:mod:`.request_rows`), then through the writer (:mod:`.writer`) to the storage
+  (:mod:`.storage`: the file); its figures in :mod:`.stats`;
 - :mod:`.metadata`: what the scheduler side tells the worker side each step;
 - :mod:`.checks`: the startup checks.
 
@@ -40,11 +42,13 @@ from vllm_gdn_hs.connector.metadata import (
 )
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
 from vllm_gdn_hs.connector.staging import rows_and_norms
+from vllm_gdn_hs.connector.stats import kv_connector_stats
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.hook import TakesHiddenStates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -81,7 +85,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
                 hidden=vllm_config.model_config.get_hidden_size(),  # for the mooncake manifest
                 dtype=vllm_config.model_config.dtype,
             )
-        elif _is_writer_rank():  # only tensor-parallel rank 0 writes
+        elif _is_writer_rank():  # only tensor-parallel rank 0 writes; the others stage nothing
             self._worker = HybridHiddenStatesConnectorWorker(
                 self.cfg,
                 max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
@@ -116,6 +120,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         count in the memory vLLM sizes the KV cache from."""
         rows_and_norms(hidden_states, config_from(vllm_config).fp8)
 
+    def wants_hidden_states(self) -> bool:
+        return self._worker is not None
+
     def save_hidden_states(
         self,
         hidden_states: torch.Tensor,
@@ -138,9 +145,22 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         pass
 
     def shutdown(self) -> None:
+        # vLLM calls it from the worker's shutdown, in the engine core's teardown after a
+        # SIGINT/SIGTERM: every finished request is written within shutdown_drain_s.
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The writer's counters since the last call (files, bytes, failures, host cost), for
+        vLLM's stats loggers; None when nothing changed."""
+        if self._worker is None:
+            return None
+        return kv_connector_stats(self._worker.interval_stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return kv_connector_stats(data, empty=True)
 
     # ==============================
     # Scheduler side

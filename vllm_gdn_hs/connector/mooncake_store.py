@@ -33,6 +33,9 @@ import torch
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector.metadata import NewRequest
+from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.mooncake_config import MooncakeOptions
 
 logger = init_logger(__name__)
@@ -317,3 +320,44 @@ class MooncakeStore:
         if rc != 0:
             hint = " (the master does not answer)" if rc == RPC_FAIL else ""
             raise MooncakeError(f"Mooncake {call} of {key} returned {rc}{hint}")
+
+
+class MooncakeStorage(HiddenStatesStorage):
+    """The connector's storage backend for ``cfg.mooncake``: ``request.path`` is the object's
+    key (the scheduler side made it, :class:`KeyMaker`); no lock (the reader waits for the
+    object or its error object); no fp8 (refused in the config)."""
+
+    def __init__(self, cfg: HiddenStatesConfig):
+        super().__init__(cfg)
+        self.store = MooncakeStore(cfg.mooncake)
+
+    def start(self, req: NewRequest) -> StoredRequest:
+        return StoredRequest(req.req_id, req.path)
+
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
+        with request.mutex:
+            if request.state != "open":
+                raise RuntimeError(f"its place was given up ({request.state})")
+            request.state = "writing"
+        try:
+            self.store.write(request.path, hidden_states, token_ids)
+        except BaseException as e:
+            self.store.write_error(request.path, str(e))
+            raise
+        finally:
+            with request.mutex:
+                request.state = "done" if request.state == "writing" else request.state
+        return {"handle": request.path}
+
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        with request.mutex:
+            was, request.state = request.state, "abandoned"
+        # A put under way ends either way: its object, or its error object.
+        if was == "open" and why:
+            self.store.write_error(request.path, why)
+
+    def begin_close(self) -> None:
+        self.store.begin_close()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,4 +1,5 @@
-"""The host rows of one request, filed by token position until its file is written."""
+"""The host rows of one request, filed by token position until its file is written (its place
+in the storage, the lock, is the worker's: :mod:`.storage`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import numpy as np
 import torch
 
 from vllm_gdn_hs.connector.metadata import NewRequest
-from vllm_gdn_hs.files import take_lock
 
 # Runs of up to this many rows (decode steps) are gathered per step and filed in batches
 # of 32 to 63 rows per request (staggered, so that requests decoding in lockstep do not
@@ -34,7 +34,6 @@ class RequestRows:
         hidden: int,
         dtype: torch.dtype,
         flush_rows: int = _PENDING_ROWS,
-        lock: bool = True,
         norms_width: int | None = None,
     ):
         self.req = req
@@ -48,7 +47,6 @@ class RequestRows:
             self._resize(max(req.num_prompt_tokens, req.num_rows))
         except RuntimeError:  # no address space for the reservation (strict overcommit)
             self._resize(req.num_prompt_tokens)  # outputs' rows then grow the buffer
-        self.lock_fd = take_lock(req.path) if lock else None
 
     def _resize(self, cap: int) -> None:
         self.rows, self.norms = (_grow(t, cap) for t in (self.rows, self.norms))

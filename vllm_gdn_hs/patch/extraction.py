@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.hook import hidden_states_connector
+from vllm_gdn_hs.hook import hidden_states_connector, hidden_states_connector_class
 
 
 def extraction_layer_ids(vllm_config) -> list[int] | None:
@@ -35,6 +35,8 @@ def set_up_extraction(self, vllm_config) -> None:
     ids = extraction_layer_ids(vllm_config)
     self.hidden_states_layer_ids = ids
     if ids:
+        # At startup, not at the first step: the configured connector must take the rows.
+        self.hidden_states_connector_class = hidden_states_connector_class(vllm_config)
         self.use_aux_hidden_state_outputs = True
         self.hidden_states_order = layer_order(ids)
 
@@ -44,8 +46,6 @@ def profile_step(self) -> None:
     ``profile_run``: vLLM sizes the KV cache from that run's peak memory (from 0.34.0, the
     extensible KV cache keeps that peak free as its transient headroom), and its dummy
     forward drops the aux states at once."""
-    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
-
     shape = (self.max_num_tokens, self.model_config.get_hidden_size())
     outputs = [  # the model's output and aux states, alive during the hand-over
         torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
@@ -53,7 +53,10 @@ def profile_step(self) -> None:
     ]
     rows = torch.stack(outputs[1:], dim=1)
     positions = torch.empty(shape[0], dtype=torch.int64, device=self.device)
-    HybridHiddenStatesConnector.profile_save_hidden_states(self.vllm_config, rows)
+    connector_class = getattr(self, "hidden_states_connector_class", None)
+    if connector_class is None:  # a runner made without set_up_extraction
+        connector_class = hidden_states_connector_class(self.vllm_config)
+    connector_class.profile_save_hidden_states(self.vllm_config, rows)
     del outputs, rows, positions
 
 
@@ -69,6 +72,8 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
     connector = getattr(self, "hidden_states_connector", None)
     if connector is None:  # first real step: the connector exists only after profiling
         connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
+    if not connector.wants_hidden_states():
+        return  # a tensor-parallel rank that does not write: nothing to stack or copy
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
     rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
     connector.save_hidden_states(

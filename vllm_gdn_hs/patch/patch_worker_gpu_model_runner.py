@@ -23,9 +23,10 @@ How, only when the connector is configured:
   has just freed) and handed, with a copy of their positions, the step's
   request ids and query start locations, to the connector through
   ``vllm_gdn_hs.hook.TakesHiddenStates`` (the active connector, or ours inside
-  ``MultiConnector``; any other connector is refused with a message at the first
-  step). The connector copies them to pinned host memory on a side stream and
-  keeps the tensors alive for it (``record_stream``); nothing here waits on the GPU;
+  ``MultiConnector``; any other connector is refused with a message at startup, when
+  the runner is made; on tensor-parallel ranks that do not write, nothing is stacked).
+  The connector copies them to pinned host memory on a side stream and keeps the
+  tensors alive for it (``record_stream``); nothing here waits on the GPU;
 - ``_determine_batch_execution_and_padding``: a step of one-token requests that
   starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
   decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but

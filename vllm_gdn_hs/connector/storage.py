@@ -1,0 +1,123 @@
+"""Where a request's hidden states go: a small interface and its two backends.
+
+A request's lifecycle on the worker side, through its backend:
+
+- :meth:`HiddenStatesStorage.start` when the request is first scheduled, before its path can
+  reach a client: reserve its place (the file backend takes ``<file>.lock``);
+- :meth:`~HiddenStatesStorage.write` once it finished, from a write thread: store its rows
+  and token ids and release the place (the reader may take it from then on);
+- :meth:`~HiddenStatesStorage.abandon` when it gets nothing (aborted, failed, or not written
+  within ``shutdown_drain_s``): release the place so that its reader fails at once instead of
+  waiting. It may be called while a write of the same request runs (shutdown), and more than
+  once;
+- :meth:`~HiddenStatesStorage.begin_close` when shutdown starts, and
+  :meth:`~HiddenStatesStorage.close` once every request was written or abandoned.
+
+Two backends: :class:`FileStorage` (one safetensors file per request) and, with
+``cfg.mooncake``, :class:`~vllm_gdn_hs.connector.mooncake_store.MooncakeStorage` (one object
+per request in a Mooncake store). The response's ``kv_transfer_params`` are made on the
+scheduler side (``scheduler.py``), from the same request path or key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_gdn_hs import files
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector.metadata import NewRequest
+
+
+@dataclass
+class StoredRequest:
+    """One request's place in a backend."""
+
+    req_id: str
+    path: str  # the file (file backend), or the key a backend derives from it
+    handle: Any = None  # the backend's own: the file backend's lock descriptor
+    state: str = "open"  # open -> writing -> done; abandoned at any point
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+class HiddenStatesStorage(ABC):
+    def __init__(self, cfg: HiddenStatesConfig):
+        self.cfg = cfg
+
+    @abstractmethod
+    def start(self, req: NewRequest) -> StoredRequest:
+        """Reserve the request's place; raises if it cannot have one (the request alone then
+        gets no hidden states)."""
+
+    @abstractmethod
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
+        """Store [T, L, H] rows, [T] int64 token ids and, for fp8, [T, 1, 1] scales; returns
+        where they went (``{"hidden_states_path": ...}``)."""
+
+    @abstractmethod
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        """Give the request's place up: its reader finds nothing and fails at once (``why``, for
+        a backend that tells the reader; empty for an aborted request, which nobody reads)."""
+
+    def begin_close(self) -> None:  # noqa: B027 - optional
+        """Shutdown has started: writes that wait on the backend should give up soon."""
+
+    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to close
+        """At shutdown, once every request was written or abandoned."""
+
+
+def make_storage(cfg: HiddenStatesConfig) -> HiddenStatesStorage:
+    """The backend ``cfg`` names: a Mooncake store with ``cfg.mooncake`` (it connects here,
+    so a wrong master fails the startup), else files."""
+    if cfg.mooncake is not None:
+        from vllm_gdn_hs.connector.mooncake_store import MooncakeStorage
+
+        return MooncakeStorage(cfg)
+    return FileStorage(cfg)
+
+
+class FileStorage(HiddenStatesStorage):
+    """One safetensors file per request (:mod:`vllm_gdn_hs.files`): ``<file>.lock`` is held from
+    :meth:`start` until the file is complete (``use_synchronization_lock``)."""
+
+    def start(self, req: NewRequest) -> StoredRequest:
+        fd = files.take_lock(req.path) if self.cfg.use_synchronization_lock else None
+        return StoredRequest(req.req_id, req.path, fd)
+
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
+        with request.mutex:
+            if request.state != "open":
+                raise RuntimeError(f"its place was given up ({request.state})")
+            request.state = "writing"
+        try:
+            files.write_file(request.path, hidden_states, token_ids, scales)
+        except BaseException:
+            self._release(request, remove=True)
+            raise
+        self._release(request, remove=False)
+        return {"hidden_states_path": request.path}
+
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        with request.mutex:
+            if request.state == "open":
+                self._release_locked(request, remove=True)
+            elif request.state == "writing":
+                # The write thread closes the descriptor when it ends; the lock file goes now,
+                # so a reader stops waiting (the file may still appear, complete).
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(request.path + files.LOCK_SUFFIX)
+                request.state = "abandoned"
+
+    def _release(self, request: StoredRequest, remove: bool) -> None:
+        with request.mutex:
+            self._release_locked(request, remove and request.state != "abandoned")
+
+    @staticmethod
+    def _release_locked(request: StoredRequest, remove: bool) -> None:
+        fd, request.handle = request.handle, None
+        request.state = "done" if request.state != "abandoned" else "abandoned"
+        files.release_lock(fd, request.path, remove=remove)

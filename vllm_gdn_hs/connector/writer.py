@@ -1,0 +1,207 @@
+"""The write pool and its backlog: finished requests' rows to their storage.
+
+The drain thread hands each finished request over as a :class:`WriteJob`; ``write_workers``
+threads check its rows and store them (:mod:`.storage`). Rows of finished requests not yet
+written are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, the drain
+thread stops freeing host buffers, and the engine slows to the speed of the writes instead of
+the host running out of memory.
+
+At shutdown :meth:`Writer.close` waits for every queued write until the deadline
+(``shutdown_drain_s``); what is still queued or running then is abandoned (its lock removed)
+and counted as lost at shutdown. The threads are not daemons: if the process exits without
+``close()`` (vLLM never called the connector's ``shutdown()``), they finish the queue first.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_gdn_hs import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.connector.request_rows import RequestRows
+from vllm_gdn_hs.connector.stats import StatsBook
+from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
+from vllm_gdn_hs.files import check_norms
+
+logger = init_logger(__name__)
+_POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
+
+
+@dataclass(eq=False)  # by identity: the set of running writes holds them
+class WriteJob:
+    stored: StoredRequest
+    rows: RequestRows
+    token_ids: list[int]
+    nbytes: int
+
+
+class Writer:
+    def __init__(
+        self,
+        cfg: HiddenStatesConfig,
+        storage: HiddenStatesStorage,
+        book: StatsBook,
+        num_layers: int,
+        warn_once: Callable[..., None],
+        producer_alive: Callable[[], bool] = lambda: False,
+    ):
+        self.cfg, self.storage, self.book, self.num_layers = cfg, storage, book, num_layers
+        self.warn_once = warn_once
+        self.producer_alive = producer_alive  # the drain thread, which submits
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
+        self.running: set[WriteJob] = set()
+        # The backlog and the writes in flight, shared by the drain thread and the writers.
+        self.cond = threading.Condition()
+        self.backlog_bytes = 0
+        self.writing = 0
+        self.deadline: float | None = None  # set by close(): no write starts after it
+        self.threads = [
+            threading.Thread(target=self._loop, name=f"hs-write-{i}", daemon=False)
+            for i in range(cfg.write_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    # -- the drain thread -------------------------------------------------------------
+    def submit(self, job: WriteJob) -> None:
+        """Queue one finished request's write; waits while the backlog is full (until the
+        shutdown deadline, past which the request is abandoned)."""
+        limit = self.cfg.write_backlog_gb * 1e9
+        with self.cond:
+            if self.backlog_bytes and self.backlog_bytes + job.nbytes > limit:
+                self.warn_once(
+                    "write_backlog_gb",
+                    "%s: %.1f GB of finished requests wait for their files to be written "
+                    "(write_backlog_gb=%g): extraction now runs at the speed of the writes "
+                    "(write to faster storage, or raise write_workers)",
+                    CONNECTOR_NAME,
+                    self.backlog_bytes / 1e9,
+                    self.cfg.write_backlog_gb,
+                )
+                t0 = time.perf_counter()
+                while self.backlog_bytes and self.backlog_bytes + job.nbytes > limit:
+                    left = None if self.deadline is None else self.deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self.cond.wait(left)
+                self.book.add(backlog_waited_s=time.perf_counter() - t0)
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                late = True
+            else:
+                late = False
+                self.backlog_bytes += job.nbytes
+                self.writing += 1
+        if late:
+            self._lost(job, "not written within shutdown_drain_s")
+        else:
+            self.jobs.put(job)
+
+    # -- write threads ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get(timeout=_POLL_S)
+            except queue.Empty:
+                # The process is ending without close(): finish the queue, then go.
+                if not threading.main_thread().is_alive() and not self.producer_alive():
+                    return
+                continue
+            if job is None:
+                return
+            with self.cond:
+                late = self.deadline is not None and time.monotonic() >= self.deadline
+                if not late:
+                    self.running.add(job)
+            try:
+                if late:  # close() gave up on the queue while this thread was busy
+                    self._lost(job, "not written within shutdown_drain_s")
+                else:
+                    self._write(job)
+            finally:
+                with self.cond:
+                    self.running.discard(job)
+                    self.backlog_bytes -= job.nbytes
+                    self.writing -= 1
+                    self.cond.notify_all()
+
+    @torch.inference_mode()
+    def _write(self, job: WriteJob) -> None:
+        buf, n = job.rows, len(job.token_ids)
+        try:
+            buf.flush()
+            missing = buf.missing(n)
+            if missing is None or missing:
+                where = "beyond the rows computed" if missing is None else missing
+                raise RuntimeError(f"hidden states missing for token positions {where}")
+            hidden_states, norms = buf.rows[:n], buf.norms[:n]
+            if self.cfg.validate_rows and (why := check_norms(norms[:, : self.num_layers])):
+                raise RuntimeError(why)
+            scales = (
+                norms[:, self.num_layers :].reshape(n, 1, 1).contiguous() if self.cfg.fp8 else None
+            )
+            ids = torch.tensor(job.token_ids, dtype=torch.int64)
+            self.storage.write(job.stored, hidden_states, ids, scales)
+        except Exception as e:
+            # On failure the lock goes too, so a reader fails at once, not after 10 s.
+            why = f"not written to {job.stored.path}: {e}"
+            self.storage.abandon(job.stored, why)
+            failed(self.book, job.stored.req_id, why)
+            return
+        self.book.add(files=1, bytes=job.nbytes)
+
+    # -- shutdown ---------------------------------------------------------------------
+    def close(self, deadline: float) -> int:
+        """Wait for every queued write until ``deadline`` (monotonic); abandon what is left
+        (its lock removed, the file may still appear complete). Returns how many were lost."""
+        with self.cond:
+            self.deadline = deadline
+            self.cond.notify_all()
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        left: list[WriteJob] = []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                left.append(job)
+        for _ in self.threads:  # for the threads still busy, which then end
+            self.jobs.put(None)
+        with self.cond:
+            running = list(self.running)
+            for job in left:  # never to be written: out of the backlog
+                self.backlog_bytes -= job.nbytes
+                self.writing -= 1
+        for job in left + running:
+            self._lost(job, "not written within shutdown_drain_s")
+        if running:
+            logger.error(
+                "%s: %d files were still being written after shutdown_drain_s=%gs: their locks "
+                "are removed (each file may still appear, complete)",
+                CONNECTOR_NAME,
+                len(running),
+                self.cfg.shutdown_drain_s,
+            )
+        return len(left) + len(running)
+
+    def _lost(self, job: WriteJob, why: str) -> None:
+        self.storage.abandon(job.stored, why)
+        logger.error(
+            "%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, job.stored.req_id, why
+        )
+        self.book.add(lost_at_shutdown=1)
+
+
+def failed(book: StatsBook, req_id: str, why: str) -> None:
+    """One request got no hidden states: logged once with its id, and counted."""
+    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+    book.add(failed=1)
