@@ -101,6 +101,7 @@ class RowsEngine(Engine):
 
 
 def mooncake_engine(model, tmp_path, address, segment=64 * MB, **extra):
+    extra.setdefault("shutdown_drain_s", 3)  # shutdown waits this long for unread objects
     return RowsEngine(model, str(tmp_path / "hs"), mooncake=options(address, segment), **extra)
 
 
@@ -321,8 +322,8 @@ def test_a_reader_that_never_comes(hybrid_model, master, tmp_path, caplog):
     eng.worker.shutdown()
 
 
-def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, caplog):
-    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+def two_objects_put(eng, master):
+    """Requests x and y finished and their objects in the store; their handles, and a client."""
     for rid in ("x", "y"):
         eng.add(make_request(rid, prompt(20)))
     eng.until_finished("x", "y")
@@ -332,10 +333,45 @@ def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, ca
     while [other.is_exist(h) for h in handles] != [1, 1]:
         assert time.monotonic() < deadline, "the objects were never put"
         time.sleep(0.01)
+    return handles, other
+
+
+def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, caplog):
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address, shutdown_drain_s=1)
+    handles, other = two_objects_put(eng, master)
+    t0 = time.monotonic()
     with caplog.at_level(logging.INFO):
         eng.worker.shutdown()
+    assert time.monotonic() - t0 >= 1  # it waited shutdown_drain_s for a reader
     assert [other.is_exist(h) for h in handles] == [0, 0]
-    assert "2 not read were removed at shutdown" in caplog.text
+    assert "2 objects not read by a trainer by the end of shutdown_drain_s" in caplog.text
+    assert "and 2 objects in all were removed at shutdown" in caplog.text
+
+
+def test_shutdown_waits_for_a_trainer_still_reading(hybrid_model, master, tmp_path, caplog):
+    """The objects live in the server's segment and go with it: a stop (SIGTERM at the end of
+    a Slurm job) waits, within shutdown_drain_s, for the trainer to read what it was told of."""
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address, shutdown_drain_s=60)
+    handles, _ = two_objects_put(eng, master)
+    transfer, got = reader(master.address), {}
+
+    def trainer():  # reads once shutdown has begun
+        time.sleep(1.0)
+        for rid in ("x", "y"):
+            got[rid] = transfer.get_generated(eng.params(rid))
+            transfer.delete(eng.params(rid)["handle"])
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        eng.worker.shutdown()
+    t.join(30)
+    assert sorted(got) == ["x", "y"]
+    for rid in ("x", "y"):
+        assert_sample(eng, rid, got[rid])
+    assert time.monotonic() - t0 < 30  # done once read, not at the end of the 60 s
+    assert "waiting up to" in caplog.text and "0 objects not read" in caplog.text
 
 
 def test_request_ids_and_params_from_the_network(hybrid_model, master, tmp_path):

@@ -33,9 +33,6 @@ import torch
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.config import HiddenStatesConfig
-from vllm_gdn_hs.connector.metadata import NewRequest
-from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.mooncake_config import MooncakeOptions
 
 logger = init_logger(__name__)
@@ -293,25 +290,46 @@ class MooncakeStore:
         if self.closing_at is None:
             self.closing_at = time.monotonic()
 
-    def close(self) -> None:
-        """Put the queued error objects (briefly), then remove every object this server put
-        that no reader took: hard-pinned objects never expire."""
+    def close(self, readers_until: float | None = None) -> None:
+        """Put the queued error objects (briefly), wait until ``readers_until`` (monotonic) for
+        trainers to read the objects still in the store (they live in this server's segment and
+        go with it), then remove what no reader took: hard-pinned objects never expire."""
         self.begin_close()
         self.errors.put(None)
         self.error_thread.join(timeout=self.close_grace_s)
+        unread = self._wait_for_readers(readers_until)
         removed = 0
         for key in self.unread():
             with contextlib.suppress(Exception):
                 removed += self.client.remove(key, True) == 0
-        logger.info(
-            "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d not read were "
-            "removed at shutdown",
+        log = logger.error if unread else logger.info
+        log(
+            "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "
+            "by a trainer by the end of shutdown_drain_s (their readers fail) and %d objects "
+            "in all were removed at shutdown",
             CONNECTOR_NAME,
             self.stats["objects"],
             self.stats["bytes"] / 1e9,
             self.stats["errors"],
+            unread,
             removed,
         )
+
+    def _wait_for_readers(self, until: float | None) -> int:
+        """How many objects (error objects aside) no reader took by ``until``."""
+        waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
+        if waiting and until is not None and until > time.monotonic():
+            logger.info(
+                "%s: waiting up to %.0f s for trainers to read the %d objects still in the "
+                "Mooncake store",
+                CONNECTOR_NAME,
+                until - time.monotonic(),
+                len(waiting),
+            )
+            while waiting and time.monotonic() < until:
+                time.sleep(min(0.2, max(until - time.monotonic(), 0)))
+                waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
+        return len(waiting)
         with contextlib.suppress(Exception):
             self.client.close()
 
@@ -320,44 +338,3 @@ class MooncakeStore:
         if rc != 0:
             hint = " (the master does not answer)" if rc == RPC_FAIL else ""
             raise MooncakeError(f"Mooncake {call} of {key} returned {rc}{hint}")
-
-
-class MooncakeStorage(HiddenStatesStorage):
-    """The connector's storage backend for ``cfg.mooncake``: ``request.path`` is the object's
-    key (the scheduler side made it, :class:`KeyMaker`); no lock (the reader waits for the
-    object or its error object); no fp8 (refused in the config)."""
-
-    def __init__(self, cfg: HiddenStatesConfig):
-        super().__init__(cfg)
-        self.store = MooncakeStore(cfg.mooncake)
-
-    def start(self, req: NewRequest) -> StoredRequest:
-        return StoredRequest(req.req_id, req.path)
-
-    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
-        with request.mutex:
-            if request.state != "open":
-                raise RuntimeError(f"its place was given up ({request.state})")
-            request.state = "writing"
-        try:
-            self.store.write(request.path, hidden_states, token_ids)
-        except BaseException as e:
-            self.store.write_error(request.path, str(e))
-            raise
-        finally:
-            with request.mutex:
-                request.state = "done" if request.state == "writing" else request.state
-        return {"handle": request.path}
-
-    def abandon(self, request: StoredRequest, why: str = "") -> None:
-        with request.mutex:
-            was, request.state = request.state, "abandoned"
-        # A put under way ends either way: its object, or its error object.
-        if was == "open" and why:
-            self.store.write_error(request.path, why)
-
-    def begin_close(self) -> None:
-        self.store.begin_close()
-
-    def close(self) -> None:
-        self.store.close()

@@ -14,8 +14,8 @@ A request's lifecycle on the worker side, through its backend:
   :meth:`~HiddenStatesStorage.close` once every request was written or abandoned.
 
 Two backends: :class:`FileStorage` (one safetensors file per request) and, with
-``cfg.mooncake``, :class:`~vllm_gdn_hs.connector.mooncake_store.MooncakeStorage` (one object
-per request in a Mooncake store). The response's ``kv_transfer_params`` are made on the
+``cfg.mooncake``, :class:`MooncakeStorage` (one object per request in a Mooncake store). The
+response's ``kv_transfer_params`` are made on the
 scheduler side (``scheduler.py``), from the same request path or key.
 """
 
@@ -66,16 +66,15 @@ class HiddenStatesStorage(ABC):
     def begin_close(self) -> None:  # noqa: B027 - optional
         """Shutdown has started: writes that wait on the backend should give up soon."""
 
-    def close(self) -> None:  # noqa: B027 - optional: most backends hold nothing to close
-        """At shutdown, once every request was written or abandoned."""
+    def close(self, deadline: float | None = None) -> None:  # noqa: B027 - optional
+        """At shutdown, once every request was written or abandoned; done by ``deadline``
+        (monotonic: the end of ``shutdown_drain_s``)."""
 
 
 def make_storage(cfg: HiddenStatesConfig) -> HiddenStatesStorage:
     """The backend ``cfg`` names: a Mooncake store with ``cfg.mooncake`` (it connects here,
     so a wrong master fails the startup), else files."""
     if cfg.mooncake is not None:
-        from vllm_gdn_hs.connector.mooncake_store import MooncakeStorage
-
         return MooncakeStorage(cfg)
     return FileStorage(cfg)
 
@@ -121,3 +120,46 @@ class FileStorage(HiddenStatesStorage):
         fd, request.handle = request.handle, None
         request.state = "done" if request.state != "abandoned" else "abandoned"
         files.release_lock(fd, request.path, remove=remove)
+
+
+class MooncakeStorage(HiddenStatesStorage):
+    """The connector's storage backend for ``cfg.mooncake``: ``request.path`` is the object's
+    key (the scheduler side made it, :class:`KeyMaker`); no lock (the reader waits for the
+    object or its error object); no fp8 (refused in the config)."""
+
+    def __init__(self, cfg: HiddenStatesConfig):
+        super().__init__(cfg)
+        from vllm_gdn_hs.connector.mooncake_store import MooncakeStore
+
+        self.store = MooncakeStore(cfg.mooncake)
+
+    def start(self, req: NewRequest) -> StoredRequest:
+        return StoredRequest(req.req_id, req.path)
+
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
+        with request.mutex:
+            if request.state != "open":
+                raise RuntimeError(f"its place was given up ({request.state})")
+            request.state = "writing"
+        try:
+            self.store.write(request.path, hidden_states, token_ids)
+        except BaseException as e:
+            self.store.write_error(request.path, str(e))
+            raise
+        finally:
+            with request.mutex:
+                request.state = "done" if request.state == "writing" else request.state
+        return {"handle": request.path}
+
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        with request.mutex:
+            was, request.state = request.state, "abandoned"
+        # A put under way ends either way: its object, or its error object.
+        if was == "open" and why:
+            self.store.write_error(request.path, why)
+
+    def begin_close(self) -> None:
+        self.store.begin_close()
+
+    def close(self, deadline: float | None = None) -> None:
+        self.store.close(readers_until=deadline)

@@ -163,7 +163,7 @@ class HybridHiddenStatesConnectorWorker:
                 )
             self.writer.close(deadline)
             unfinished = self.drain.abandon_unfinished()
-            self.storage.close()
+            self.storage.close(deadline)  # mooncake: trainers may read until then
         self.book.add(unfinished=len(unfinished))
         logger.info("%s: %s", CONNECTOR_NAME, self.stats.shutdown_line(unfinished))
 
