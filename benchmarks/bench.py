@@ -11,8 +11,8 @@ lines from it (logparse.py), and merges the child's records into one results JSO
     python benchmarks/report.py benchmarks/results/h200.json --md benchmarks/results/README-table.md
 
 Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), fp8 (ours, fp8 files),
-            upstream (vLLM's ExampleHiddenStatesConnector), hf (transformers + forward hooks, best
-            batch size).
+            mooncake (ours, objects in a mooncake_master started on 127.0.0.1), upstream (vLLM's
+            ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch size).
 Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,
             max_tokens=1), mixed-outK / NxL-outK (the same prompts, K generated tokens with
             include_output_tokens). See benchmarks/README.md.
@@ -42,7 +42,7 @@ from records import CUT, FAILED, OK, OURS, SKIPPED, TIMED_OUT, load_records, mer
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "plain-v1", "ours", "ours-v2", "fp8", "upstream", "hf")
+VARIANTS = ("plain", "plain-v1", "ours", "ours-v2", "fp8", "mooncake", "upstream", "hf")
 
 
 def can_start(left_s: float, slowest_s: float) -> bool:
@@ -184,6 +184,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=120,
         help="seconds to wait, after generate() returns, for every file to be ready",
+    )
+    p.add_argument(
+        "--mooncake-segment-gib",
+        type=float,
+        default=40,
+        help="mooncake variant: host memory the engine lends its local store; it must hold one "
+        "workload's objects (32x8192 at 27B, 6 layers: 15 GiB)",
     )
     p.add_argument(
         "--dry-run",

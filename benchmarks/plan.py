@@ -106,6 +106,7 @@ def make_plan(
         connector_config=args.connector_config,
         seed=args.seed,
         drain_timeout=args.drain_timeout,
+        mooncake_segment_gib=args.mooncake_segment_gib,
         result_file=os.path.join(tmpdir, f"{variant}.json"),
     )
     spec_path = os.path.join(tmpdir, f"{variant}-spec.json")

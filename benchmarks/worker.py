@@ -23,6 +23,7 @@ CONNECTORS = {
     "ours": "HybridHiddenStatesConnector",
     "ours-v2": "HybridHiddenStatesConnector",  # on Model Runner V2 (plan.variant_env)
     "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
+    "mooncake": "HybridHiddenStatesConnector",  # objects in a local Mooncake store (run_vllm)
     "upstream": "ExampleHiddenStatesConnector",
 }
 VARIANT_CONFIG = {"fp8": {"fp8": True}}  # merged under --connector-config
@@ -111,6 +112,21 @@ def engine_config(llm) -> dict | str:
 def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     from vllm import LLM, SamplingParams
 
+    store = None
+    if spec["variant"] == "mooncake":  # its master, and the trainer's side of each workload
+        from mooncake_side import LocalStore
+
+        store = LocalStore(spec["result_file"] + ".master.log", spec["mooncake_segment_gib"])
+        cfg = {**spec.get("connector_config", {}), "mooncake": store.options()}
+        spec = {**spec, "connector_config": cfg}
+    try:
+        _run_vllm(spec, emit, poller, LLM, SamplingParams, store)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _run_vllm(spec: dict, emit, poller: GpuMemPoller, LLM, SamplingParams, store) -> None:
     kwargs = engine_kwargs(spec)
     recorded_kwargs = json.loads(json.dumps(kwargs))  # vLLM fills config objects into nested dicts
     t0 = time.perf_counter()
@@ -125,7 +141,7 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
         rec = dict(w.stats(), **startup, engine_kwargs=recorded_kwargs)
         try:
             reset_dir(out_dir)
-            if connector:
+            if connector and store is None:
                 check_space(out_dir, w, spec)
             prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(w, spec["seed"])]
             extra = None
@@ -137,7 +153,9 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
             )
             rec["sampling"] = dict(max_tokens=w.max_tokens, ignore_eos=True, extra_args=extra)
             outs = llm.generate(prompts[:WARMUP_PROMPTS], warm, use_tqdm=False)
-            if connector:
+            if store is not None:
+                store.take_all(outs, spec["drain_timeout"])
+            elif connector:
                 wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
             reset_dir(out_dir)
             poller.take()
@@ -146,9 +164,12 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             gen_s = time.perf_counter() - t0
             ready_s = 0.0
-            if connector:
-                ready_s = wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
-            nbytes, nfiles = dir_bytes(out_dir)
+            if store is not None:  # objects, not files: counted as the files are
+                ready_s, nbytes, nfiles = store.take_all(outs, spec["drain_timeout"])
+            else:
+                if connector:
+                    ready_s = wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
+                nbytes, nfiles = dir_bytes(out_dir)
             rec.update(
                 status=OK,
                 gen_s=round(gen_s, 3),

@@ -17,7 +17,9 @@ memory) and shutdown removing what no reader took.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 
@@ -30,6 +32,7 @@ from test_connector_scheduler import make_request, prompt
 from test_hostile import Engine
 
 from vllm_gdn_hs.connector import mooncake_store
+from vllm_gdn_hs.mooncake_config import MooncakeOptions
 
 MB = 1 << 20
 
@@ -390,3 +393,38 @@ def test_request_ids_and_params_from_the_network(hybrid_model, master, tmp_path)
 
 
 _ = harness  # the CPU engine (imported for its side effect through test_hostile)
+
+
+def test_the_benchmarks_store_takes_every_object(tmp_path):
+    """benchmarks/mooncake_side.py (the bench's mooncake variant): its own master, the
+    connector's store writing into it, and the trainer's side counting and removing."""
+    import types
+
+    require_mooncake()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from mooncake_side import LocalStore
+
+    local = LocalStore(str(tmp_path / "master.log"), segment_gib=1 / 16)
+    store = mooncake_store.MooncakeStore(MooncakeOptions(**local.options()))
+    try:
+        outs, total = [], 0
+        for i, n in enumerate((5, 40, 1)):
+            key = f"r{i}-bench"
+            store.write(key, torch.randn(n, 2, 8).bfloat16(), torch.arange(n))
+            params = mooncake_store.manifest(key, n, 2, 8, torch.bfloat16)
+            total += params["metadata"]["total_aligned_bytes"]
+            outs.append(types.SimpleNamespace(kv_transfer_params=params))
+        ready_s, nbytes, count = local.take_all(outs, timeout=10)
+        assert (nbytes, count) == (total, 3) and ready_s < 10
+        assert store.client.batch_is_exist([f"r{i}-bench" for i in range(3)]) == [0, 0, 0]
+        store.write_error("bad-bench", "boom")  # its reader fails at once, so does the bench
+        bad = mooncake_store.manifest("bad-bench", 3, 2, 8, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="error object"):
+            local.take_all([types.SimpleNamespace(kv_transfer_params=bad)], timeout=10)
+        never = mooncake_store.manifest("never-put", 3, 2, 8, torch.bfloat16)
+        with pytest.raises(TimeoutError, match="0 of 1 objects"):
+            local.take_all([types.SimpleNamespace(kv_transfer_params=never)], timeout=0.5)
+    finally:
+        store.close()
+        local.close()
+    assert local.proc.poll() is not None  # stopped by its process id

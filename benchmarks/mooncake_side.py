@@ -1,0 +1,120 @@
+"""The ``mooncake`` variant's store: a ``mooncake_master`` on 127.0.0.1 for one engine, and the
+trainer's side of each workload (wait until every request's object is in the store, count its
+bytes, remove it, as a trainer deletes what it read).
+
+The objects live in the engine's own segment (``segment_gib``: it must hold one workload's
+objects, since ``LLM.generate`` returns the handles only at the end); the reader lends none.
+Stopped by its process id. Needs the ``mooncake`` package of the machine's CUDA build
+(``mooncake-transfer-engine-cuda13`` for vLLM's CUDA 13 builds) and libibverbs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+HOST = "127.0.0.1"
+ERROR_SUFFIX = ":error"  # hs-connectors' error object (vllm_gdn_hs.connector.mooncake_store)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def master_binary() -> str:
+    import mooncake
+
+    here = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    path = here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+    if path is None:
+        raise RuntimeError(
+            "mooncake_master not found: pip install mooncake-transfer-engine-cuda13 (vLLM's "
+            "CUDA 13 builds) or mooncake-transfer-engine (CUDA 12)"
+        )
+    return path
+
+
+class LocalStore:
+    def __init__(self, log_path: str, segment_gib: float, timeout: float = 30.0):
+        os.environ["MC_TCP_BIND_ADDRESS"] = HOST  # the engine's client advertises loopback
+        self.port = _free_port()
+        self.address = f"{HOST}:{self.port}"
+        self.segment = int(segment_gib * 2**30)
+        self.log_path = log_path
+        cmd = [master_binary(), f"-rpc_address={HOST}", f"-rpc_port={self.port}"]
+        cmd += [f"-metrics_host={HOST}", f"-metrics_port={_free_port()}"]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection((HOST, self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    with open(log_path) as f:
+                        log = f.read()[-2000:]
+                    raise RuntimeError(f"mooncake_master did not start: {log}") from None
+                time.sleep(0.05)
+        self.client = None
+
+    def options(self) -> dict:
+        """``kv_connector_extra_config["mooncake"]`` for the engine."""
+        return dict(
+            local_hostname=HOST,
+            master_server_address=self.address,
+            global_segment_size=self.segment,
+            local_buffer_size=2**30,
+            protocol="tcp",
+        )
+
+    def _reader(self):
+        if self.client is None:
+            from mooncake.store import MooncakeDistributedStore
+
+            self.client = MooncakeDistributedStore()
+            rc = self.client.setup(HOST, "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", self.address)
+            if rc != 0:
+                raise RuntimeError(f"the reader's Mooncake setup returned {rc}")
+        return self.client
+
+    def take_all(self, outputs, timeout: float) -> tuple[float, int, int]:
+        """Seconds until every output's object is in the store, their bytes and count; then
+        removes them. RuntimeError for a request with an error object or no handle."""
+        params = [o.kv_transfer_params or {} for o in outputs]
+        handles = [p.get("handle") for p in params]
+        if not all(handles):
+            raise RuntimeError(f"{handles.count(None)} outputs have no mooncake handle")
+        client, t0, pending = self._reader(), time.perf_counter(), list(handles)
+        while pending:
+            found = client.batch_is_exist(pending)
+            pending = [h for h, e in zip(pending, found, strict=True) if e != 1]
+            failed = [h for h in pending if client.is_exist(h + ERROR_SUFFIX) == 1]
+            if failed:
+                raise RuntimeError(f"{len(failed)} requests got an error object, e.g. {failed[0]}")
+            if pending and time.perf_counter() - t0 > timeout:
+                raise TimeoutError(
+                    f"{len(handles) - len(pending)} of {len(handles)} objects in the store "
+                    f"after {timeout:.0f} s: raise --drain-timeout or check the connector's log"
+                )
+            time.sleep(0.005 if pending else 0)
+        ready_s = time.perf_counter() - t0
+        nbytes = sum(p["metadata"]["total_aligned_bytes"] for p in params)
+        for h in handles:
+            client.remove(h, True)
+        return ready_s, nbytes, len(handles)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
