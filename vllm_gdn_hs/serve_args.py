@@ -143,8 +143,6 @@ def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
 
 
 def _has_flashinfer() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("flashinfer") is not None
 
 

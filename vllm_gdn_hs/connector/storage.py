@@ -43,6 +43,13 @@ class StoredRequest:
     state: str = "open"  # open -> writing -> done; abandoned at any point
     mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def begin_write(self) -> None:
+        """open -> writing; RuntimeError if the place was given up meanwhile."""
+        with self.mutex:
+            if self.state != "open":
+                raise RuntimeError(f"its place was given up ({self.state})")
+            self.state = "writing"
+
 
 class HiddenStatesStorage(ABC):
     def __init__(self, cfg: HiddenStatesConfig):
@@ -54,9 +61,9 @@ class HiddenStatesStorage(ABC):
         gets no hidden states)."""
 
     @abstractmethod
-    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
-        """Store [T, L, H] rows, [T] int64 token ids and, for fp8, [T, 1, 1] scales; returns
-        where they went (``{"hidden_states_path": ...}``)."""
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> None:
+        """Store [T, L, H] rows, [T] int64 token ids and, for fp8, [T, 1, 1] scales (the
+        response already named where: the scheduler side's ``kv_transfer_params``)."""
 
     @abstractmethod
     def abandon(self, request: StoredRequest, why: str = "") -> None:
@@ -87,18 +94,14 @@ class FileStorage(HiddenStatesStorage):
         fd = files.take_lock(req.path) if self.cfg.use_synchronization_lock else None
         return StoredRequest(req.req_id, req.path, fd)
 
-    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
-        with request.mutex:
-            if request.state != "open":
-                raise RuntimeError(f"its place was given up ({request.state})")
-            request.state = "writing"
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> None:
+        request.begin_write()
         try:
             files.write_file(request.path, hidden_states, token_ids, scales)
         except BaseException:
             self._release(request, remove=True)
             raise
         self._release(request, remove=False)
-        return {"hidden_states_path": request.path}
 
     def abandon(self, request: StoredRequest, why: str = "") -> None:
         with request.mutex:
@@ -136,11 +139,8 @@ class MooncakeStorage(HiddenStatesStorage):
     def start(self, req: NewRequest) -> StoredRequest:
         return StoredRequest(req.req_id, req.path)
 
-    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> dict:
-        with request.mutex:
-            if request.state != "open":
-                raise RuntimeError(f"its place was given up ({request.state})")
-            request.state = "writing"
+    def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> None:
+        request.begin_write()
         try:
             self.store.write(request.path, hidden_states, token_ids)
         except BaseException as e:
@@ -149,7 +149,6 @@ class MooncakeStorage(HiddenStatesStorage):
         finally:
             with request.mutex:
                 request.state = "done" if request.state == "writing" else request.state
-        return {"handle": request.path}
 
     def abandon(self, request: StoredRequest, why: str = "") -> None:
         with request.mutex:
