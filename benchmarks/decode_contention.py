@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     plain, ours = [], []
     step = 0
     while step < args.steps:  # blocks of 10 steps each way; plain blocks start drained
-        while not (writer.drain.tasks.empty() and all(s.free.is_set() for s in writer.ring.slots)):
+        while not (writer.drain.tasks.empty() and writer.ring.idle()):
             time.sleep(0.001)
         for _ in range(10):
             t = time.perf_counter()

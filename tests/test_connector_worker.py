@@ -461,9 +461,10 @@ class _Clock:
 def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
     storage, caplog, monkeypatch
 ):
-    """A drain slower than the steps (one host buffer, filing rows held up): the engine
-    thread waits in save() for the buffer; one warning, which says no file was being
-    written (so the advice is host_buffers, not faster storage), and the wait is counted."""
+    """A drain slower than the steps (a ring of one largest step, steps of that size, filing
+    rows held up): the engine thread waits in save() for room; one warning, which says no
+    file was being written (so the advice is host_buffers, not faster storage), and the wait
+    is counted."""
     monkeypatch.setattr(staging, "time", _Clock())
     engine_waiting = threading.Semaphore(0)
     real_put = request_rows.RequestRows.put
@@ -476,19 +477,19 @@ def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
     monkeypatch.setattr(request_rows.RequestRows, "put", held_put)
     caplog.set_level(logging.INFO, logger=LOGGER)
     w = make_writer(storage, host_buffers=1)
-    (slot,) = w.ring.slots
-    real_wait = slot.free.wait
+    real_wait = w.ring.wait_for_room
 
-    def wait(timeout=None):
+    def wait():
         engine_waiting.release()
-        return real_wait(timeout)
+        return real_wait()
 
-    slot.free.wait = wait
-    data = {r: rows(40) for r in ("a", "b", "c")}
-    new(w, storage, **dict.fromkeys(data, 40))
-    for r, x in data.items():  # one step each: the 2nd and 3rd wait for the one buffer
+    w.ring.wait_for_room = wait
+    n = w.ring.capacity  # 128 rows
+    data = {r: rows(n) for r in ("a", "b", "c")}
+    new(w, storage, **dict.fromkeys(data, n))
+    for r, x in data.items():  # one step each: the 2nd and 3rd wait for the whole ring
         save(w, (r, 0, x))
-    finish(w, **{r: list(range(40)) for r in data})
+    finish(w, **{r: list(range(n)) for r in data})
     w.close(timeout=30)
     assert w.stats.files == 3 and w.stats.engine_waited_s == pytest.approx(1.2)
     warned = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]

@@ -24,7 +24,9 @@ class HiddenStatesConfig(BaseModel):
 
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
-    host_buffers: int = Field(2, ge=1, le=8, description="pinned host buffers in the ring")
+    host_buffers: int = Field(
+        2, ge=1, le=8, description="pinned host rows for this many of the largest steps"
+    )
     write_workers: int = Field(
         4,
         ge=1,

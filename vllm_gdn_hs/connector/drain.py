@@ -201,7 +201,7 @@ class Drain:
             self.deferring = {buf for buf in touched if buf.pending}
         finally:
             self.book.add(drain_s=time.perf_counter() - t0)
-            slot.free.set()
+            slot.release()
 
     def _drop(self, active: ActiveRequest, why: str) -> None:
         """Give up on one request: no file and no lock (so its reader fails at once), counted

@@ -1,18 +1,19 @@
-"""Device-to-host staging: a ring of pinned host slots, filled from each step's rows on a side
-stream.
+"""Device-to-host staging: a ring of pinned host rows, a slot of each step's rows at a time,
+filled on a side stream.
 
 The GPU work (norms, and fp8 quantization) runs on the compute stream in chunks of
 :data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and come out of
 the memory vLLM profiled (the runner patch runs it once on the largest step inside
 ``profile_run``). The side stream only copies; ``record_stream`` keeps the step's GPU tensors
-alive until it has, so the runner holds no buffer between steps. A slot is free again once
-the drain thread has filed its rows. On CPU (tests) the same path runs with plain copies.
+alive until it has, so the runner holds no buffer between steps. A slot's rows are free again once
+the drain thread has filed them. On CPU (tests) the same path runs with plain copies.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -44,65 +45,121 @@ def rows_and_norms(hidden_states: torch.Tensor, fp8: bool, chunk: int = CHUNK_TO
     return rows, norms
 
 
-@dataclass
+@dataclass(eq=False)
 class HostSlot:
-    hidden_states: torch.Tensor  # pinned [max_tokens, L, H]
-    norms: torch.Tensor  # pinned [max_tokens, L] float32; with fp8 [max_tokens, L + 1]: + scale
-    positions: torch.Tensor  # pinned [max_tokens] int64
+    """One step's rows in the ring: views of exactly its rows, in pinned host memory."""
+
+    ring: HostRing
+    start: int  # first row in the ring
+    hidden_states: torch.Tensor  # [tokens, L, H]
+    norms: torch.Tensor  # [tokens, L] float32; with fp8 [tokens, L + 1]: + each row's scale
+    positions: torch.Tensor  # [tokens] int64
     copied: torch.cuda.Event | None  # None on CPU
-    free: threading.Event
+    released: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.positions.shape[0]
+
+    def release(self) -> None:
+        """The drain thread has filed these rows: the ring may hand them out again."""
+        self.ring.release(self)
 
 
 class HostRing:
-    """``num_slots`` pinned slots of ``max_tokens`` rows each, used in turn. With ``fp8`` the
-    rows are quantized on the GPU before the copy (hs-connectors' per-token float8_e4m3fn
-    scaling), so the copy and the ring are half the size; each row's scale travels as one
-    more column after its layer norms, which are taken before quantization."""
+    """Pinned host rows for ``num_slots`` of the largest steps, handed out in order, each step
+    taking only the rows it has: a decode step of 256 rows takes 256 rows, so the small steps
+    that follow a large one go on while the drain thread files it. With ``fp8`` the rows are
+    quantized on the GPU before the copy (hs-connectors' per-token float8_e4m3fn scaling), so
+    the copy and the ring are half the size; each row's scale travels as one more column after
+    its layer norms, which are taken before quantization."""
 
     def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"
         self.fp8 = fp8
+        self.cuda = cuda
         self.stream = torch.cuda.Stream(device=device) if cuda else None
+        self.capacity = num_slots * max_tokens
         dtype = torch.float8_e4m3fn if fp8 else dtype
-        self.slots = [
-            HostSlot(
-                torch.empty((max_tokens, num_layers, hidden), dtype=dtype, pin_memory=cuda),
-                torch.empty((max_tokens, num_layers + fp8), dtype=torch.float32, pin_memory=cuda),
-                torch.empty(max_tokens, dtype=torch.int64, pin_memory=cuda),
-                torch.cuda.Event() if cuda else None,
-                threading.Event(),
+        self.hidden_states = torch.empty(
+            (self.capacity, num_layers, hidden), dtype=dtype, pin_memory=cuda
+        )
+        self.norms = torch.empty(
+            (self.capacity, num_layers + fp8), dtype=torch.float32, pin_memory=cuda
+        )
+        self.positions = torch.empty(self.capacity, dtype=torch.int64, pin_memory=cuda)
+        self.live: deque[HostSlot] = deque()  # handed out, oldest first
+        self.room = threading.Condition()
+
+    def _fit(self, num_tokens: int) -> int | None:
+        """The first row of ``num_tokens`` free rows after the newest slot, or None."""
+        if not self.live:
+            return 0
+        head, tail = self.live[-1].end, self.live[0].start
+        if tail < head:  # in use: [tail, head); free: [head, capacity) and [0, tail)
+            if self.capacity - head >= num_tokens:
+                return head
+            return 0 if tail >= num_tokens else None
+        return head if tail - head >= num_tokens else None  # wrapped: free is [head, tail)
+
+    def take(self, num_tokens: int) -> tuple[HostSlot, float]:
+        """Rows for one step; returns the slot and the seconds waited for them (host
+        back-pressure: the drain is behind)."""
+        if not 0 < num_tokens <= self.capacity:
+            raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
+        waited = 0.0
+        with self.room:
+            start = self._fit(num_tokens)
+            if start is None:
+                began = time.monotonic()
+                while (start := self._fit(num_tokens)) is None:
+                    self.wait_for_room()
+                waited = time.monotonic() - began
+            end = start + num_tokens
+            slot = HostSlot(
+                self,
+                start,
+                self.hidden_states[start:end],
+                self.norms[start:end],
+                self.positions[start:end],
+                torch.cuda.Event() if self.cuda else None,
             )
-            for _ in range(num_slots)
-        ]
-        for s in self.slots:
-            s.free.set()
-        self.next = 0
+            self.live.append(slot)
+        return slot, waited
+
+    def wait_for_room(self) -> None:
+        """Wait, holding ``room``, until a slot is released."""
+        self.room.wait()
+
+    def release(self, slot: HostSlot) -> None:
+        with self.room:
+            slot.released = True
+            while self.live and self.live[0].released:
+                self.live.popleft()
+            self.room.notify_all()
+
+    def idle(self) -> bool:
+        """No step's rows are waiting to be filed."""
+        with self.room:
+            return not self.live
 
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
     ) -> tuple[HostSlot, float]:
-        """Start copying one step's rows, their norms and positions into the next slot; returns
-        the slot and the seconds waited for it (host back-pressure: the drain is behind)."""
-        num_tokens = hidden_states.shape[0]
-        slot = self.slots[self.next]
-        self.next = (self.next + 1) % len(self.slots)
-        waited = 0.0
-        if not slot.free.is_set():
-            start = time.monotonic()
-            slot.free.wait()
-            waited = time.monotonic() - start
-        slot.free.clear()
+        """Start copying one step's rows, their norms and positions into the ring; returns the
+        slot and the seconds waited for room."""
+        slot, waited = self.take(hidden_states.shape[0])
         rows, norms = rows_and_norms(hidden_states, self.fp8)
         if self.stream is None:
-            slot.hidden_states[:num_tokens].copy_(rows)
-            slot.norms[:num_tokens].copy_(norms)
-            slot.positions[:num_tokens].copy_(positions)
+            slot.hidden_states.copy_(rows)
+            slot.norms.copy_(norms)
+            slot.positions.copy_(positions)
         else:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                slot.hidden_states[:num_tokens].copy_(rows, non_blocking=True)
-                slot.norms[:num_tokens].copy_(norms, non_blocking=True)
-                slot.positions[:num_tokens].copy_(positions, non_blocking=True)
+                slot.hidden_states.copy_(rows, non_blocking=True)
+                slot.norms.copy_(norms, non_blocking=True)
+                slot.positions.copy_(positions, non_blocking=True)
                 slot.copied.record(self.stream)
             # Made on the compute stream, read on this one: not reused before the copies end.
             for t in (hidden_states, rows, norms, positions):

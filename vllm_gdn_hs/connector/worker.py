@@ -71,7 +71,7 @@ class HybridHiddenStatesConnectorWorker:
             self.book,
             num_layers,
             hidden,
-            self.ring.slots[0].hidden_states.dtype,  # as stored: fp8 with cfg.fp8
+            self.ring.hidden_states.dtype,  # as stored: fp8 with cfg.fp8
             norms_width=num_layers + cfg.fp8,
         )
         self.last_log = time.monotonic()
