@@ -24,7 +24,7 @@ import os
 import shlex
 import sys
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.backends import BACKENDS
 from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.model_info import (
     ModelInfo,
@@ -43,132 +43,6 @@ from vllm_gdn_hs.serve_args import (
     shutdown_env,
     take_kv_transfer_config,
 )
-
-# Connector options the launcher sets from its own flags.
-LAUNCHER_OPTIONS = {
-    "shared_storage_path": "--hidden-states-path",
-    "layer_ids": "--target-layer-ids",
-    "fp8": "--hidden-states-backend fp8",
-    "mooncake": "--hidden-states-backend mooncake and its --mooncake-* options",
-}
-
-
-class FileBackend:
-    """One safetensors file per request under ``--hidden-states-path``."""
-
-    options: dict = {}  # connector options this backend sets
-
-    @staticmethod
-    def add_launch_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--hidden-states-path",
-            type=str,
-            default="/tmp/hidden_states",
-            help="The directory to save hidden states to. Default '/tmp/hidden_states'",
-        )
-
-    @staticmethod
-    def check_storage(args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts (it is made if missing)."""
-        from vllm_gdn_hs.files import check_storage_path
-
-        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        if why := check_storage_path(path):
-            raise LaunchError(
-                f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
-                "can write to"
-            )
-
-    @classmethod
-    def storage_options(cls, args: argparse.Namespace) -> dict:
-        """The connector options naming where the hidden states go."""
-        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        return {"shared_storage_path": path, **cls.options}
-
-    @classmethod
-    def build_kv_transfer_config(cls, args: argparse.Namespace, user: dict) -> dict:
-        """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
-        from pydantic import ValidationError
-
-        from vllm_gdn_hs.config import HiddenStatesConfig
-
-        for key, ours in (("kv_connector", CONNECTOR_NAME), ("kv_role", "kv_producer")):
-            if user.get(key, ours) != ours:
-                raise LaunchError(
-                    f"--kv-transfer-config {key}={user[key]!r}: the launcher runs {key} "
-                    f"{ours!r}; drop {key}"
-                )
-        extra = user.get("kv_connector_extra_config") or {}
-        for key, use in LAUNCHER_OPTIONS.items():
-            if key in extra:
-                raise LaunchError(
-                    f"--kv-transfer-config kv_connector_extra_config.{key} is set by the "
-                    f"launcher: use {use} instead"
-                )
-        try:
-            HiddenStatesConfig(**extra, **cls.storage_options(args))
-        except (ValidationError, TypeError) as e:
-            errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
-            why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
-            keys = ", ".join(
-                k for k in HiddenStatesConfig.model_fields if k not in LAUNCHER_OPTIONS
-            )
-            raise LaunchError(
-                f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
-            ) from None
-        kv = extraction_config([], "", **extra)["kv_transfer_config"]
-        kv["kv_connector_extra_config"] = {**cls.storage_options(args), **extra}
-        return {**user, **kv}
-
-
-class Fp8Backend(FileBackend):
-    """speculators' ``fp8`` backend: the same files with ``hidden_states`` in float8_e4m3fn and
-    one fp32 scale per token (``hidden_states_scales``), read by hs-connectors'
-    ``FP8Transfer``; quantized on the GPU, so the copy out and host memory halve too."""
-
-    options = {"fp8": True}
-
-
-class MooncakeBackend(FileBackend):
-    """speculators' ``mooncake`` backend: one object per request in a Mooncake store, read by
-    hs-connectors' ``MooncakeTransfer``; no shared file system. The same ``--mooncake-*``
-    options, defaults and ``kv_connector_extra_config.mooncake`` as speculators' launcher
-    (hs-connectors' own option definitions)."""
-
-    @staticmethod
-    def add_launch_args(parser: argparse.ArgumentParser) -> None:
-        from hs_connectors.transfer import MooncakeBackend as Theirs
-
-        Theirs.add_launch_args(parser)
-
-    @classmethod
-    def storage_options(cls, args: argparse.Namespace) -> dict:
-        import socket
-
-        host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(
-            socket.gethostname()
-        )  # as speculators' launcher
-        gib = 1024**3
-        return {
-            "mooncake": {
-                "local_hostname": host,
-                "metadata_server": args.mooncake_metadata_server,
-                "master_server_address": args.mooncake_master,
-                "global_segment_size": round(args.mooncake_global_segment_gib * gib),
-                "local_buffer_size": round(args.mooncake_local_buffer_gib * gib),
-                "protocol": args.mooncake_protocol,
-                "device_name": args.mooncake_device,
-                "num_writer_threads": args.mooncake_writer_threads,
-            }
-        }
-
-
-# Hidden-state backends by --hidden-states-backend name; each adds its own options.
-BACKENDS: dict[str, type[FileBackend]] = {
-    "file": FileBackend,
-    "fp8": Fp8Backend,
-    "mooncake": MooncakeBackend,
-}
 
 _USAGE = (
     "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
