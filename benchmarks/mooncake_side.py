@@ -40,6 +40,17 @@ def master_binary() -> str:
     return path
 
 
+def master_command(path: str, port: int, metrics_port: int) -> list[str]:
+    """``mooncake_master`` on 127.0.0.1:``port``. The wheels differ: the ``-cuda13`` 0.3.11
+    master has no ``-metrics_host`` (its metrics server binds every interface) and stops on a
+    flag it does not know, so the flags it lists in ``--helpfull`` decide."""
+    listed = subprocess.run([path, "--helpfull"], capture_output=True, text=True, timeout=30)
+    cmd = [path, f"-rpc_address={HOST}", f"-rpc_port={port}", f"-metrics_port={metrics_port}"]
+    if "-metrics_host " in listed.stdout + listed.stderr:
+        cmd.append(f"-metrics_host={HOST}")
+    return cmd
+
+
 class LocalStore:
     def __init__(self, log_path: str, segment_gib: float, timeout: float = 30.0):
         os.environ["MC_TCP_BIND_ADDRESS"] = HOST  # the engine's client advertises loopback
@@ -47,8 +58,7 @@ class LocalStore:
         self.address = f"{HOST}:{self.port}"
         self.segment = int(segment_gib * 2**30)
         self.log_path = log_path
-        cmd = [master_binary(), f"-rpc_address={HOST}", f"-rpc_port={self.port}"]
-        cmd += [f"-metrics_host={HOST}", f"-metrics_port={_free_port()}"]
+        cmd = master_command(master_binary(), self.port, _free_port())
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

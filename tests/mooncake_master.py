@@ -14,11 +14,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
-HOST = "127.0.0.1"
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+from mooncake_side import HOST, master_command  # noqa: E402  (the bench starts its own the same way)
 
 
 def binary() -> str | None:
@@ -67,8 +69,7 @@ class Master:
     def start(self, timeout: float = 30.0) -> None:
         self.starts += 1
         log = open(os.path.join(self.log_dir, f"master-{self.starts}.log"), "w")
-        cmd = [self.path, f"-rpc_address={HOST}", f"-rpc_port={self.port}"]
-        cmd += [f"-metrics_host={HOST}", f"-metrics_port={self.metrics_port}"]
+        cmd = master_command(self.path, self.port, self.metrics_port)
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
