@@ -42,13 +42,31 @@ def master_binary() -> str:
 
 def master_command(path: str, port: int, metrics_port: int) -> list[str]:
     """``mooncake_master`` on 127.0.0.1:``port``. The wheels differ: the ``-cuda13`` 0.3.11
-    master has no ``-metrics_host`` (its metrics server binds every interface) and stops on a
-    flag it does not know, so the flags it lists in ``--helpfull`` decide."""
+    master has no ``-metrics_host`` and stops on a flag it does not know, so the flags it lists
+    in ``--helpfull`` decide."""
     listed = subprocess.run([path, "--helpfull"], capture_output=True, text=True, timeout=30)
     cmd = [path, f"-rpc_address={HOST}", f"-rpc_port={port}", f"-metrics_port={metrics_port}"]
     if "-metrics_host " in listed.stdout + listed.stderr:
         cmd.append(f"-metrics_host={HOST}")
     return cmd
+
+
+def reader(address: str, segment: int = 0):
+    """hs-connectors' own ``MooncakeTransfer`` (speculators' trainer reads with it) on the master
+    at ``address``; by default it lends no memory, so every object lies in the server's
+    segment and each read crosses TCP."""
+    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+    from hs_connectors.transfer import MooncakeTransfer
+
+    cfg = MooncakeStoreConfig(
+        local_hostname=HOST,
+        master_server_address=address,
+        global_segment_size=segment,
+        local_buffer_size=64 << 20,
+    )
+    transfer = MooncakeTransfer(MooncakeHiddenStatesStore(cfg))
+    transfer.setup()
+    return transfer
 
 
 class LocalStore:
@@ -87,22 +105,20 @@ class LocalStore:
 
     def _reader(self):
         if self.client is None:
-            from mooncake.store import MooncakeDistributedStore
-
-            self.client = MooncakeDistributedStore()
-            rc = self.client.setup(HOST, "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", self.address)
-            if rc != 0:
-                raise RuntimeError(f"the reader's Mooncake setup returned {rc}")
+            self.client = reader(self.address)
         return self.client
 
-    def take_all(self, outputs, timeout: float) -> tuple[float, int, int]:
-        """Seconds until every output's object is in the store, their bytes and count; then
-        removes them. RuntimeError for a request with an error object or no handle."""
+    def take_all(self, outputs, timeout: float, read=False) -> tuple[float, int, int, float]:
+        """Seconds until every output's object is in the store, their bytes, their count, and
+        with ``read`` the seconds one trainer process took to read them all (hs-connectors'
+        ``MooncakeTransfer``, what speculators' trainer reads with, one object at a time);
+        then removes them. RuntimeError for a request with an error object or no handle."""
         params = [o.kv_transfer_params or {} for o in outputs]
         handles = [p.get("handle") for p in params]
         if not all(handles):
             raise RuntimeError(f"{handles.count(None)} outputs have no mooncake handle")
-        client, t0, pending = self._reader(), time.perf_counter(), list(handles)
+        transfer, t0, pending = self._reader(), time.perf_counter(), list(handles)
+        client = transfer.store._store  # the reader's own mooncake client
         while pending:
             found = client.batch_is_exist(pending)
             pending = [h for h, e in zip(pending, found, strict=True) if e != 1]
@@ -117,13 +133,22 @@ class LocalStore:
             time.sleep(0.005 if pending else 0)
         ready_s = time.perf_counter() - t0
         nbytes = sum(p["metadata"]["total_aligned_bytes"] for p in params)
+        read_s = 0.0
+        if read:
+            t1 = time.perf_counter()
+            for p in params:
+                sample = transfer.get_generated(p)
+                if sample is None or "hidden_states" not in sample:
+                    raise RuntimeError(f"the trainer's reader got nothing for {p['handle']}")
+                del sample
+            read_s = time.perf_counter() - t1
         for h in handles:
             client.remove(h, True)
-        return ready_s, nbytes, len(handles)
+        return ready_s, nbytes, len(handles), read_s
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        if self.client is not None:  # hs-connectors' reader has no close of its own
+            self.client.store._store.close()
             self.client = None
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)

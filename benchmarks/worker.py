@@ -164,8 +164,13 @@ def _run_vllm(spec: dict, emit, poller: GpuMemPoller, LLM, SamplingParams, store
             outs = llm.generate(prompts, sp, use_tqdm=False)
             gen_s = time.perf_counter() - t0
             ready_s = 0.0
-            if store is not None:  # objects, not files: counted as the files are
-                ready_s, nbytes, nfiles = store.take_all(outs, spec["drain_timeout"])
+            read = {}
+            if store is not None:  # objects, not files: counted as the files are; one trainer
+                ready_s, nbytes, nfiles, read_s = store.take_all(  # reads them all
+                    outs, spec["drain_timeout"], read=True
+                )
+                read = dict(trainer_read_s=round(read_s, 3))
+                read["trainer_read_gb_s"] = round(nbytes / read_s / 1e9, 3)
             else:
                 if connector:
                     ready_s = wait_files_ready(out_dir, outs, len(outs), spec["drain_timeout"])
@@ -178,6 +183,7 @@ def _run_vllm(spec: dict, emit, poller: GpuMemPoller, LLM, SamplingParams, store
                 files=nfiles,
                 bytes_written=nbytes,
                 peak_gpu_mib=poller.take(),
+                **read,
             )
         except Exception as e:
             record_error(rec, e)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-from mooncake_side import HOST, master_command  # noqa: E402  (the bench starts its own the same way)
+from mooncake_side import HOST, master_command, reader  # noqa: E402, F401  (the bench's, shared)
 
 
 def binary() -> str | None:
@@ -92,20 +92,3 @@ class Master:
     def log(self) -> str:
         with open(os.path.join(self.log_dir, f"master-{self.starts}.log")) as f:
             return f.read()
-
-
-def reader(address: str, segment: int = 0):
-    """hs-connectors' own ``MooncakeTransfer`` (speculators' reader) on this master; by default
-    it lends no memory, so every object lies in the server's segment."""
-    from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
-    from hs_connectors.transfer import MooncakeTransfer
-
-    cfg = MooncakeStoreConfig(
-        local_hostname=HOST,
-        master_server_address=address,
-        global_segment_size=segment,
-        local_buffer_size=64 << 20,
-    )
-    transfer = MooncakeTransfer(MooncakeHiddenStatesStore(cfg))
-    transfer.setup()
-    return transfer

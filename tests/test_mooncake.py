@@ -182,6 +182,10 @@ def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog):
     eng.add(make_request("during", prompt(30)))
     eng.until_finished("during")  # the engine goes on; the put fails
     assert "during" in eng.outputs
+    deadline = time.monotonic() + 60  # its put fails on a write thread: wait for it, or the
+    while eng.worker._worker.stats.failed < 1:  # restarted master could take it after all
+        assert time.monotonic() < deadline, "the put during the outage did not fail"
+        time.sleep(0.05)
     master.start()  # same port; every object it held is gone
 
     # Its error object, once the server's client is back with the master (until the
@@ -414,8 +418,8 @@ def test_the_benchmarks_store_takes_every_object(tmp_path):
             params = mooncake_store.manifest(key, n, 2, 8, torch.bfloat16)
             total += params["metadata"]["total_aligned_bytes"]
             outs.append(types.SimpleNamespace(kv_transfer_params=params))
-        ready_s, nbytes, count = local.take_all(outs, timeout=10)
-        assert (nbytes, count) == (total, 3) and ready_s < 10
+        ready_s, nbytes, count, read_s = local.take_all(outs, timeout=10, read=True)
+        assert (nbytes, count) == (total, 3) and ready_s < 10 and read_s > 0
         assert store.client.batch_is_exist([f"r{i}-bench" for i in range(3)]) == [0, 0, 0]
         store.write_error("bad-bench", "boom")  # its reader fails at once, so does the bench
         bad = mooncake_store.manifest("bad-bench", 3, 2, 8, torch.bfloat16)
