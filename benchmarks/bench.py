@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 import worker
-from host import wait_gpu_released
+from host import gpu_mem_used_mib, wait_gpu_released
 from logparse import cut_detail, error_summary, kv_cache_info, strip_ansi, writer_info
 from plan import Plan, announce, common_fields, make_plan, print_workloads
 from records import CUT, FAILED, OK, OURS, SKIPPED, TIMED_OUT, load_records, merge_results
@@ -251,6 +251,9 @@ def why_missing(args, problem, out_of_budget, rc, timeout, left_s, slowest_s) ->
     return FAILED, f"worker exited with status {rc}"
 
 
+BUSY_GPU_MIB = 4096  # above this, memory held by others when an engine starts
+
+
 def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
     """Run one variant's worker (unless it cannot run or start) and return its records, one
     per workload (per batch size for hf): the worker's, and error records for the rest."""
@@ -260,6 +263,13 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
     timeout = budget.timeout(args.timeout, t0)
     out_of_budget = not budget.allows(t0)
     rc, log, skip = None, "", bool(plan.problem or out_of_budget)
+    busy = gpu_mem_used_mib()  # another process's memory shrinks this engine's KV cache
+    if busy is not None and busy > BUSY_GPU_MIB:
+        print(
+            f"[bench] warning: {busy} MiB of the GPU in use before {variant} starts (another "
+            "process: its KV cache figure is not comparable; nvidia-smi says which)",
+            flush=True,
+        )
     if not skip:
         rc, log = run_child(plan.cmd, log_path, timeout, plan.env)
         wait_gpu_released()
@@ -290,6 +300,7 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
             mode=plan.mode,
             log=log_path,
             wall_s=round(time.time() - t0, 1),
+            gpu_used_before_mib=busy,
             flags=dict(
                 argv=shlex.join([sys.executable] + sys.argv),
                 spec=spec,

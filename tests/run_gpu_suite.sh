@@ -31,6 +31,12 @@ VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json
     -p no:cacheprovider -p gpu_report \
     "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
 echo "pytest exit $?" >> "$OUT/env.txt"
+# A test's server runs in its own session (its model under pytest's temp folder) and outlives a
+# pytest cut by SUITE_TIMEOUT, holding its GPU memory (run 38: 43 GiB under the next engines).
+for pid in $(pgrep -f "entrypoints.cli.main serve /tmp/pytest-of-"); do
+    echo "stopping a test server left running: $pid" | tee -a "$OUT/env.txt"
+    kill -9 -- "-$pid" 2>/dev/null || kill -9 "$pid"
+done
 grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|max rel err|max relative|preemptions|aborts|chunked vs|KV cache tokens|^E " "$OUT/gpu.log" | grep -v "^(EngineCore" | head -80
 if [ "${RUN_DEMO:-1}" = 1 ]; then
     timeout "${DEMO_TIMEOUT:-300}" python3 -m vllm_gdn_hs.cli demo --workdir /tmp/vllm-gdn-hs-demo > "$OUT/demo.log" 2>&1

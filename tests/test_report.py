@@ -72,6 +72,14 @@ def test_a_profiled_record_says_so(records):
     assert "profiled" not in report.note(run31["plain"])
 
 
+def test_a_busy_gpu_is_named(records):
+    # Run 38's engines started with 43,515 MiB held by a test server left running.
+    run38 = [r for r in records if r.get("run") == "run38"]
+    assert run38 and all("held by another process" in report.note(r) for r in run38)
+    run36 = [r for r in records if r.get("run") == "run36"]
+    assert run36 and not any("held by another process" in report.note(r) for r in run36)
+
+
 def test_generated_files_are_current(records):
     rows = report.select(records)
     with open(os.path.join(REPO, "benchmarks", "README.md")) as f:
