@@ -11,7 +11,7 @@ KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (
 # (WriterStats.progress_line / shutdown_line in vllm_gdn_hs/connector/stats.py; in-process
 # benchmarks read the WriterStats object itself, through the worker's stats).
 WRITER_RE = re.compile(
-    r"HybridHiddenStatesConnector: ((?:shut down; |\d+ files ).*per step.*)$", re.M
+    r"HybridHiddenStatesConnector: ((?:shut down; |\d+ (?:files|objects) ).*per step.*)$", re.M
 )
 # The worker's progress marks (epoch seconds), read back when the --budget or --timeout cuts it
 READY_RE = re.compile(r"\[bench\] \S+: engine ready at ([\d.]+)$", re.M)

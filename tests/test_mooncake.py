@@ -353,6 +353,8 @@ def test_shutdown_removes_what_no_reader_took(hybrid_model, master, tmp_path, ca
     assert [other.is_exist(h) for h in handles] == [0, 0]
     assert "2 objects not read by a trainer by the end of shutdown_drain_s" in caplog.text
     assert "and 2 objects in all were removed at shutdown" in caplog.text
+    shut = [r.getMessage() for r in caplog.records if "shut down; " in r.getMessage()]
+    assert shut and "shut down; 2 objects (" in shut[-1], shut  # objects, not files
 
 
 def test_shutdown_waits_for_a_trainer_still_reading(hybrid_model, master, tmp_path, caplog):

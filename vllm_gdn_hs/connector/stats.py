@@ -51,18 +51,18 @@ class WriterStats:
             + (f"; {backlog:.1f} s of drain waiting on write_backlog_gb" if backlog else "")
         )
 
-    def progress_line(self) -> str:
+    def progress_line(self, unit: str = "files") -> str:
         return (
-            f"{self.files} files ({self.bytes / 1e9:.2f} GB) written, {self.failed} failed, "
+            f"{self.files} {unit} ({self.bytes / 1e9:.2f} GB) written, {self.failed} failed, "
             f"{self.aborted} aborted, {self.writing} writing ({self.backlog_bytes / 1e9:.2f} GB), "
             f"{self.in_flight} requests in flight; {self.timing_summary()}"
         )
 
-    def shutdown_line(self, unfinished_ids: list[str] = ()) -> str:
+    def shutdown_line(self, unfinished_ids: list[str] = (), unit: str = "files") -> str:
         lost = f", {self.lost_at_shutdown} lost at shutdown" if self.lost_at_shutdown else ""
         ids = f" ({', '.join(unfinished_ids[:5])})" if unfinished_ids else ""
         return (
-            f"shut down; {self.files} files ({self.bytes / 1e9:.2f} GB) written, {self.failed} "
+            f"shut down; {self.files} {unit} ({self.bytes / 1e9:.2f} GB) written, {self.failed} "
             f"failed, {self.aborted} aborted, {self.unfinished} unfinished{ids}{lost}; "
             f"{self.timing_summary()}"
         )

@@ -52,6 +52,8 @@ class StoredRequest:
 
 
 class HiddenStatesStorage(ABC):
+    unit = "files"  # what one request's hidden states are called in the log lines
+
     def __init__(self, cfg: HiddenStatesConfig):
         self.cfg = cfg
 
@@ -129,6 +131,8 @@ class MooncakeStorage(HiddenStatesStorage):
     """The connector's storage backend for ``cfg.mooncake``: ``request.path`` is the object's
     key (the scheduler side made it, :class:`KeyMaker`); no lock (the reader waits for the
     object or its error object); no fp8 (refused in the config)."""
+
+    unit = "objects"
 
     def __init__(self, cfg: HiddenStatesConfig):
         super().__init__(cfg)

@@ -134,7 +134,7 @@ class HybridHiddenStatesConnectorWorker:
             if now - self.last_log < every:
                 return
             self.last_log = now
-        logger.info("%s: %s", CONNECTOR_NAME, self.stats.progress_line())
+        logger.info("%s: %s", CONNECTOR_NAME, self.stats.progress_line(self.storage.unit))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -165,7 +165,8 @@ class HybridHiddenStatesConnectorWorker:
             unfinished = self.drain.abandon_unfinished()
             self.storage.close(deadline)  # mooncake: trainers may read until then
         self.book.add(unfinished=len(unfinished))
-        logger.info("%s: %s", CONNECTOR_NAME, self.stats.shutdown_line(unfinished))
+        line = self.stats.shutdown_line(unfinished, self.storage.unit)
+        logger.info("%s: %s", CONNECTOR_NAME, line)
 
 
 @contextlib.contextmanager
