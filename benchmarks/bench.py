@@ -38,7 +38,17 @@ import worker
 from host import gpu_mem_used_mib, wait_gpu_released
 from logparse import cut_detail, error_summary, kv_cache_info, strip_ansi, writer_info
 from plan import Plan, announce, common_fields, make_plan, print_workloads
-from records import CUT, FAILED, OK, OURS, SKIPPED, TIMED_OUT, load_records, merge_results
+from records import (
+    BUSY_GPU_MIB,
+    CUT,
+    FAILED,
+    OK,
+    OURS,
+    SKIPPED,
+    TIMED_OUT,
+    load_records,
+    merge_results,
+)
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -249,9 +259,6 @@ def why_missing(args, problem, out_of_budget, rc, timeout, left_s, slowest_s) ->
     if rc is None:
         return TIMED_OUT, f"timed out after {timeout:.0f} s (--timeout)"
     return FAILED, f"worker exited with status {rc}"
-
-
-BUSY_GPU_MIB = 4096  # above this, memory held by others when an engine starts
 
 
 def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:

@@ -21,17 +21,48 @@ HOST = "127.0.0.1"
 ERROR_SUFFIX = ":error"  # hs-connectors' error object (vllm_gdn_hs.connector.mooncake_store)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
-def master_binary() -> str:
-    import mooncake
-
+def master_binary() -> str | None:
+    """The ``mooncake_master`` next to the ``mooncake`` package, or on PATH; None without it."""
+    try:
+        import mooncake
+    except ImportError:
+        return None
     here = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    path = here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+
+
+def start_master(path: str, port: int, log_path: str, timeout: float = 30.0) -> subprocess.Popen:
+    """Start ``mooncake_master`` on 127.0.0.1:``port``, logging to ``log_path``, and wait until
+    it takes connections; RuntimeError with the log's tail (the process killed) if it does
+    not within ``timeout`` s."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            master_command(path, port, free_port()), stdout=log, stderr=subprocess.STDOUT
+        )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                with open(log_path) as f:
+                    log = f.read()[-2000:]
+                raise RuntimeError(f"mooncake_master did not start: {log}") from None
+            time.sleep(0.05)
+
+
+def _required_master_binary() -> str:
+    path = master_binary()
     if path is None:
         raise RuntimeError(
             "mooncake_master not found: pip install mooncake-transfer-engine-cuda13 (vLLM's "
@@ -72,25 +103,11 @@ def reader(address: str, segment: int = 0):
 class LocalStore:
     def __init__(self, log_path: str, segment_gib: float, timeout: float = 30.0):
         os.environ["MC_TCP_BIND_ADDRESS"] = HOST  # the engine's client advertises loopback
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"{HOST}:{self.port}"
         self.segment = int(segment_gib * 2**30)
         self.log_path = log_path
-        cmd = master_command(master_binary(), self.port, _free_port())
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                socket.create_connection((HOST, self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.close()
-                    with open(log_path) as f:
-                        log = f.read()[-2000:]
-                    raise RuntimeError(f"mooncake_master did not start: {log}") from None
-                time.sleep(0.05)
+        self.proc = start_master(_required_master_binary(), self.port, log_path, timeout)
         self.client = None
 
     def options(self) -> dict:

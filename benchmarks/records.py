@@ -12,6 +12,10 @@ import json
 import os
 import time
 
+# GPU memory in use by others when an engine starts, above which its KV cache figure is not
+# comparable (bench.py warns and records it; report.py names it in the row).
+BUSY_GPU_MIB = 4096
+
 OK = "ok"
 SKIPPED = "skipped"  # not run: plugin missing, too little space or --budget left
 CUT = "cut"  # stopped by the --budget: time ran out, not a fault

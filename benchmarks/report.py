@@ -21,6 +21,7 @@ from collections import defaultdict
 
 from records import (
     BASELINES,
+    BUSY_GPU_MIB,
     FAULTS,
     OK,
     OURS,
@@ -116,7 +117,7 @@ def note(r: dict) -> str:
     engine = r.get("engine_config")  # a dict, or the repr of the error that stopped reading it
     if isinstance(engine, dict) and engine.get("model_runner"):
         parts.append(f"model runner {engine['model_runner'].upper()}")
-    if (r.get("gpu_used_before_mib") or 0) > 4096:  # bench.py's BUSY_GPU_MIB
+    if (r.get("gpu_used_before_mib") or 0) > BUSY_GPU_MIB:
         gib = r["gpu_used_before_mib"] / 1024
         parts.append(f"{gib:.1f} GiB of the GPU held by another process: KV cache not comparable")
     if r.get("profiler"):  # measured with a profiler attached: read its figure with that

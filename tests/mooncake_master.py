@@ -10,32 +10,25 @@ interface whatever it says; the tests send nothing elsewhere).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-from mooncake_side import HOST, master_command, reader  # noqa: E402, F401  (the bench's, shared)
-
-
-def binary() -> str | None:
-    """The ``mooncake_master`` next to the ``mooncake`` package, or on PATH."""
-    try:
-        import mooncake
-    except ImportError:
-        return None
-    here = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return here if os.access(here, os.X_OK) else shutil.which("mooncake_master")
+from mooncake_side import (  # noqa: E402, F401  (the bench's, shared)
+    HOST,
+    free_port,
+    master_binary,
+    reader,
+    start_master,
+)
 
 
 def require_mooncake() -> str:
     """The master binary, after checking that ``mooncake.store`` loads; else skip."""
-    path = binary()
+    path = master_binary()
     if path is None:
         pytest.skip(
             "mooncake_master not installed: pip install mooncake-transfer-engine-non-cuda "
@@ -49,39 +42,24 @@ def require_mooncake() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class Master:
     """One ``mooncake_master`` bound to 127.0.0.1; ``kill`` and ``start`` again on the same
     port (a restarted master has lost every object)."""
 
     def __init__(self, path: str, log_dir: str):
         self.path, self.log_dir = path, log_dir
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port = free_port()
         self.address = f"{HOST}:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self, timeout: float = 30.0) -> None:
         self.starts += 1
-        log = open(os.path.join(self.log_dir, f"master-{self.starts}.log"), "w")
-        cmd = master_command(self.path, self.port, self.metrics_port)
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                socket.create_connection((HOST, self.port), timeout=1).close()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.kill()
-                    pytest.fail(f"mooncake_master did not start: {self.log()[-2000:]}")
-                time.sleep(0.05)
+        log_path = os.path.join(self.log_dir, f"master-{self.starts}.log")
+        try:
+            self.proc = start_master(self.path, self.port, log_path, timeout)
+        except RuntimeError as e:
+            pytest.fail(str(e))
 
     def kill(self) -> None:
         """SIGKILL by process id, and wait for it."""
