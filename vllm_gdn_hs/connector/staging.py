@@ -77,7 +77,6 @@ class HostRing:
     def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"
         self.fp8 = fp8
-        self.cuda = cuda
         self.stream = torch.cuda.Stream(device=device) if cuda else None
         self.capacity = num_slots * max_tokens
         dtype = torch.float8_e4m3fn if fp8 else dtype
@@ -122,7 +121,7 @@ class HostRing:
                 self.hidden_states[start:end],
                 self.norms[start:end],
                 self.positions[start:end],
-                torch.cuda.Event() if self.cuda else None,
+                torch.cuda.Event() if self.stream is not None else None,
             )
             self.live.append(slot)
         return slot, waited
