@@ -16,7 +16,6 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+import launched  # noqa: E402  (tests/gpu/launched.py)
 import pipeline  # noqa: E402  (tests/gpu/pipeline.py)
 import soak  # noqa: E402
 from tiny_models import hybrid_config_dict, write_config  # noqa: E402
@@ -54,9 +54,7 @@ def model_dir(tmp_path_factory):
 def render_server(model_dir, tmp_path_factory):
     """vLLM's render server, started when the module starts (its startup overlaps the other
     tests); yields its URL and process once /health answers."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = launched.free_port()
     log_path = tmp_path_factory.mktemp("render") / "render.log"
     log = open(log_path, "w")
     cmd = [sys.executable, "-c", RENDER, model_dir, "--port", str(port), "--host", "127.0.0.1"]

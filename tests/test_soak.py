@@ -21,6 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
+import launched  # noqa: E402  (tests/gpu/launched.py)
 import soak  # noqa: E402  (tests/gpu/soak.py)
 from tiny_models import hybrid_config_dict, write_config
 
@@ -164,7 +165,7 @@ def test_hostile_headers_through_uvicorn():
 
     route = Route("/v1/completions", completions, methods=["POST"])
     app = XRequestIdMiddleware(Starlette(routes=[route]))
-    port = soak._free_port()
+    port = launched.free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", interface="asgi3")
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, daemon=True).start()

@@ -37,12 +37,10 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,6 +48,8 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 for _p in (REPO, HERE):
     if _p not in sys.path:
         sys.path.append(_p)
+
+import launched  # noqa: E402  (tests/gpu/launched.py)
 
 LAYERS = [1, 3, 6]  # the launcher appends N = 8; the trainer gets these three
 NUM_LAYERS = 8
@@ -497,24 +497,10 @@ def tail(path: str, chars: int = 4000) -> str:
     return ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 class Server:
     def __init__(self, model: str, folder: str, backend: str, log_path: str):
         self.backend, self.folder, self.log_path = backend, folder, log_path
-        port = free_port()
+        port = launched.free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
         cmd = server_command(model, folder, port, backend)
@@ -526,18 +512,10 @@ class Server:
         )  # fmt: skip
 
     def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not healthy(self.url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{self.backend} server exited ({self.proc.returncode}) or not healthy:\n"
-                    + tail(self.log_path, 3000)
-                )
-            time.sleep(1)
+        launched.wait_healthy(self.proc, self.url, self.log_path, timeout)
 
     def stop(self) -> None:
-        kill_group(self.proc, signal.SIGTERM, 60)
-        kill_group(self.proc, signal.SIGKILL, 10)
+        launched.stop(self.proc, grace=60)
         self.log.close()
 
 

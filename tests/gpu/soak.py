@@ -21,8 +21,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.append(REPO)
+
+import launched  # noqa: E402  (tests/gpu/launched.py)
 
 from vllm_gdn_hs import files  # noqa: E402
 
@@ -596,56 +596,12 @@ def evaluate(records: list, ctx: dict) -> dict:
 # -- the server and the run ----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health(url: str) -> int | None:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=5) as r:
-            return r.status
-    except OSError:
-        return None
-
-
 def start_server(model_dir: str, folder: str, log, cwd: str) -> tuple:
     """``vllm-gdn-hs launch`` in a session of its own, its output into ``log``."""
-    port = _free_port()
-    launch = [sys.executable, "-m", "vllm_gdn_hs.cli", "launch", model_dir]
-    launch += ["--hidden-states-path", folder, "--target-layer-ids", *map(str, LAYERS), "--"]
-    serve = f"--port {port} --host 127.0.0.1 --gpu-memory-utilization 0.3 --enforce-eager "
-    serve += f"--max-model-len {MAX_MODEL_LEN} --enable-request-id-headers "
-    serve += "--disable-uvicorn-access-log --additional-config"
-    cmd = [*launch, *serve.split(), json.dumps({"gdn_prefill_backend": "triton"})]
-    out = dict(stdout=log, stderr=subprocess.STDOUT)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), start_new_session=True, **out)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc, url: str, log_path: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while health(url) != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            with open(log_path, errors="replace") as f:
-                tail = f.read()[-4000:]
-            raise RuntimeError(f"server exited ({proc.returncode}) or not healthy:\n{tail}")
-        time.sleep(1)
-
-
-def stop_server(proc) -> None:
-    # The connector may take shutdown_drain_s (120 s) to write answered files, and vLLM its
-    # teardown after that: the launcher's VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (150 s).
-    for sig, wait in ((signal.SIGTERM, 200), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)  # the session we started it in
-            proc.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    serve = ["--enable-request-id-headers", "--disable-uvicorn-access-log"]
+    return launched.start(
+        model_dir, folder, LAYERS, log, *serve, max_model_len=MAX_MODEL_LEN, cwd=cwd, env=_env()
+    )
 
 
 def parse_args(argv=None):
@@ -693,14 +649,14 @@ def main(argv=None) -> int:
         proc, url = start_server(model_dir, folder, log, cwd)
         try:
             t1 = time.monotonic()
-            wait_healthy(proc, url, log_path)
+            launched.wait_healthy(proc, url, log_path)
             timings["server_start_s"] = round(time.monotonic() - t1, 1)
             print(f"[soak] server healthy after {timings['server_start_s']} s", flush=True)
             soak = Soak(url, model_dir, folder, reference, args.concurrency, limit=args.time_limit)
             t1 = time.monotonic()
             records = soak.run(plan, delete_after=len(plan) // 2)
             timings["requests_s"] = round(time.monotonic() - t1, 1)
-            ctx["health_at_end"] = health(url)
+            ctx["health_at_end"] = launched.health(url)
             soak.deadline = float("inf")
             records.append(soak.one(final_item(args.seed)))
             time.sleep(LOCK_GRACE_S)
@@ -708,7 +664,7 @@ def main(argv=None) -> int:
         except Exception as e:
             ctx["fatal"] = f"{type(e).__name__}: {e}"
         finally:
-            stop_server(proc)
+            launched.stop(proc)
     ctx["pooled"] = reference.pooled()  # the run's accuracy bar, per layer, over every file
     ctx["check"] = run_check(folder, os.path.join(out, "check-problems.txt"))
     ctx["verified_on_disk"] = sum(

@@ -16,12 +16,9 @@ import importlib.util
 import json
 import os
 import random
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
+import launched
 import pytest
 from test_gpu_extract import assert_pooled, pooled_figures
 from tiny_models import build_tiny_hybrid
@@ -35,12 +32,6 @@ LAYERS = [1, 3, 6]  # the launcher appends N = 8
 RESULTS: dict = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -52,58 +43,14 @@ def _post(url: str, body: dict) -> dict:
 @contextlib.contextmanager
 def _serve(root, model: str, *extra: str):
     """`vllm-gdn-hs launch` in the background until /health answers; stopped on exit."""
-    storage = root / "hs"
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm_gdn_hs.cli",
-        "launch",
-        model,
-        "--hidden-states-path",
-        str(storage),
-        "--target-layer-ids",
-        *map(str, LAYERS),
-        "--",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--gpu-memory-utilization",
-        "0.3",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--skip-tokenizer-init",
-        "--additional-config",
-        '{"gdn_prefill_backend": "triton"}',
-        *extra,
-    ]
-    log_path = root / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+    storage, log_path = root / "hs", root / "server.log"
+    with open(log_path, "w") as log:
+        proc, url = launched.start(model, storage, LAYERS, log, "--skip-tokenizer-init", *extra)
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server not healthy in 300 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-    try:
-        yield {"url": url, "model": model, "storage": storage, "log": log_path}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            launched.wait_healthy(proc, url, log_path)
+            yield {"url": url, "model": model, "storage": storage, "log": log_path}
+        finally:
+            launched.stop(proc, grace=60)
 
 
 @pytest.fixture(scope="module")

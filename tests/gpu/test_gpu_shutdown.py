@@ -18,7 +18,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import launched
 import pytest
 from safetensors.torch import load_file
 from tiny_models import build_tiny_hybrid
@@ -38,37 +38,14 @@ LAYERS = [1, 3, 6]  # the launcher appends N = 8
 BURST, PROMPT = 48, 1500
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(root, model: str):
-    storage, port = root / "hs", _free_port()
+    storage, log_path = root / "hs", root / "server.log"
     extra = {"kv_connector_extra_config": {"write_workers": 1}}  # writes lag the engine
-    cmd = [sys.executable, "-m", "vllm_gdn_hs.cli", "launch", model]
-    cmd += ["--hidden-states-path", str(storage), "--target-layer-ids", *map(str, LAYERS), "--"]
-    cmd += ["--port", str(port), "--host", "127.0.0.1", "--gpu-memory-utilization", "0.3"]
-    cmd += ["--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init"]
-    cmd += ["--kv-transfer-config", json.dumps(extra)]
-    cmd += ["--additional-config", '{"gdn_prefill_backend": "triton"}']
-    log_path = root / "server.log"
+    serve = ["--skip-tokenizer-init", "--kv-transfer-config", json.dumps(extra)]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url, storage, log_path, log
-        except OSError:
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"server not healthy in 300 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+    proc, url = launched.start(model, storage, LAYERS, log, *serve)
+    launched.wait_healthy(proc, url, log_path)
+    return proc, url, storage, log_path, log
 
 
 def _complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
