@@ -21,6 +21,7 @@ from vllm_gdn_hs.reference import (
     HFReference,
     describe_pooled,
     file_problems,
+    hf_hidden_states,
     within_bar,
     worst_by_layer,
 )
@@ -190,3 +191,36 @@ def test_file_problems_still_caught(refs):
         assert any(p.startswith(want) for p in result["problems"]), (want, result)
         if want.startswith("shape"):
             assert result["ours"] == result["hf_bf16"] == []  # no numbers for a wrong shape
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "dense"])
+def test_batched_references_match_one_prompt_a_pass(refs, kind):
+    """Prompts of one length go through HF together, at most batch_tokens tokens a pass:
+    each gets the reference it gets alone (fp32 to rounding; bf16 far closer than its own
+    error), in the prompts' order."""
+    alone = refs(kind)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 1000) for _ in range(n)] for n in (7, 30, 7, 30, 7, 1, 7)]
+    for dtype in (torch.float32, torch.bfloat16):
+        model, shapes = alone.model(dtype), []
+
+        def record(_module, _args, kwargs, shapes=shapes):
+            shapes.append(tuple(kwargs["input_ids"].shape))
+
+        hook = model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            together = hf_hidden_states(model, prompts, LAYERS[kind], batch_tokens=21)
+        finally:
+            hook.remove()
+        assert sorted(shapes) == [(1, 1), (1, 7), (1, 30), (1, 30), (3, 7)]
+        for prompt, got in zip(prompts, together, strict=True):
+            (one,) = hf_hidden_states(model, [prompt], LAYERS[kind])
+            ref32 = alone(prompt)[0]
+            scale = (alone(prompt)[1].float() - ref32).norm() if dtype == torch.bfloat16 else 0
+            assert got.shape == one.shape
+            assert (got.float() - one.float()).norm() <= 1e-5 * one.float().norm() + 0.1 * scale
+    batched = HFReference(alone.model_dir, LAYERS[kind], device="cpu", batch_tokens=21)
+    batched.precompute(prompts)
+    for prompt in prompts:
+        torch.testing.assert_close(batched(prompt)[0], alone(prompt)[0], rtol=1e-4, atol=1e-5)
+    batched.close()

@@ -77,8 +77,12 @@ def _no_tf32():
 
 @torch.inference_mode()
 @_no_tf32()
-def hf_hidden_states(model, prompts: list[list[int]], layer_ids: list[int]) -> list[torch.Tensor]:
-    """[T, L, H] in the model's dtype on the CPU for each prompt, layers in the given order."""
+def hf_hidden_states(
+    model, prompts: list[list[int]], layer_ids: list[int], batch_tokens: int = 0
+) -> list[torch.Tensor]:
+    """[T, L, H] in the model's dtype on the CPU for each prompt, layers in the given order.
+    Prompts of one length share a forward pass of up to ``batch_tokens`` tokens (no padding,
+    so nothing changes but the batch; 0: one prompt a pass)."""
     cfg = model.config.get_text_config()
     layers = _decoder_layers(model, cfg.num_hidden_layers)
     captured: dict[int, torch.Tensor] = {}
@@ -93,12 +97,21 @@ def hf_hidden_states(model, prompts: list[list[int]], layer_ids: list[int]) -> l
     if 0 in layer_ids:
         handles.append(model.get_input_embeddings().register_forward_hook(hook(0)))
     device = next(model.parameters()).device
-    out = []
+    by_len: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_len.setdefault(len(prompt), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(prompts)
     try:
-        for prompt in prompts:
-            captured.clear()
-            model(input_ids=torch.tensor([prompt], device=device), use_cache=False)
-            out.append(torch.stack([captured[i][0] for i in layer_ids], dim=1).cpu())
+        for n, group in by_len.items():
+            per_pass = max(1, batch_tokens // max(n, 1))
+            for start in range(0, len(group), per_pass):
+                batch = group[start : start + per_pass]
+                captured.clear()
+                ids = torch.tensor([prompts[i] for i in batch], device=device)
+                model(input_ids=ids, use_cache=False)
+                stacked = torch.stack([captured[i] for i in layer_ids], dim=2).cpu()  # [B,T,L,H]
+                for row, i in enumerate(batch):
+                    out[i] = stacked[row]
     finally:
         for h in handles:
             h.remove()
@@ -262,10 +275,15 @@ class HFReference:
     """
 
     def __init__(
-        self, model_dir: str, layer_ids: list[int], device: str = "cuda", max_cached: int = 256
+        self,
+        model_dir: str,
+        layer_ids: list[int],
+        device: str = "cuda",
+        max_cached: int = 256,
+        batch_tokens: int = 0,
     ):
         self.model_dir, self.layer_ids, self.device = model_dir, list(layer_ids), device
-        self.max_cached = max_cached
+        self.max_cached, self.batch_tokens = max_cached, batch_tokens
         self._models: dict[torch.dtype, torch.nn.Module] = {}
         self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pooled = PooledErrors(self.layer_ids)
@@ -289,17 +307,24 @@ class HFReference:
 
     def precompute(self, prompts: list[list[int]]) -> None:
         """Cache the references of ``prompts`` one dtype at a time, each model dropped after
-        its pass: memory for one model (fp32: 4 bytes per parameter), not both."""
+        its pass: memory for one model (fp32: 4 bytes per parameter), not both. Prompts of
+        one length go through HF together, up to ``batch_tokens`` tokens a pass."""
         keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
         if len(keys) > self.max_cached:
             raise ValueError(f"{len(keys)} prompts, more than max_cached={self.max_cached}")
+        keys = [k for k in keys if k not in self._cache]
+        if not keys:
+            return
+        while self._cache and len(self._cache) + len(keys) > self.max_cached:
+            del self._cache[next(iter(self._cache))]  # the oldest
         refs = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = self.model(dtype)
-            for key in keys:
-                refs.setdefault(key, []).append(
-                    hf_hidden_states(model, [list(key)], self.layer_ids)[0]
-                )
+            states = hf_hidden_states(
+                model, [list(k) for k in keys], self.layer_ids, self.batch_tokens
+            )
+            for key, hs in zip(keys, states, strict=True):
+                refs.setdefault(key, []).append(hs)
             del self._models[dtype], model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -223,7 +223,7 @@ def accuracy(out_path: str) -> int:
     builders = {"hybrid": build_tiny_hybrid, "dense": build_tiny_dense}
     for kind, build in builders.items():
         model = build(os.path.join(root, kind))
-        reference = HFReference(model, LAYERS[kind])
+        reference = HFReference(model, LAYERS[kind], batch_tokens=32768)
         reference.precompute(PROMPTS)
         runs = {}
         for name, connector, eager in (
