@@ -66,7 +66,16 @@ def pytest_collection_modifyitems(config, items):
 def _vllm_logs_to_caplog(caplog):
     """Our loggers live under ``vllm``, which vLLM's logging setup sets not to propagate to the
     root logger, where caplog listens; hand caplog's handler to the ``vllm`` logger as well
-    while it does not (vLLM 0.33.0 sets its logging up only when an engine starts)."""
+    while it does not. vLLM 0.33.0 and later set their logging up when an engine starts, and
+    that setup drops the handlers it finds: set it up first, as the engine would, so that an
+    engine started in the test finds it done and keeps caplog's handler."""
+    import vllm.logger
+
+    configure = getattr(vllm.logger, "configure_logging_if_needed", None)  # 0.33.0+
+    if configure is not None:
+        from vllm.config import LoggingConfig
+
+        configure(LoggingConfig())
     vllm_logger = logging.getLogger("vllm")
     added = not vllm_logger.propagate
     if added:
