@@ -514,6 +514,30 @@ def test_progress_line_without_finished_files(writer, storage, caplog):
     assert len([r for r in caplog.records if "requests in flight" in r.getMessage()]) == 1
 
 
+def test_progress_line_gives_the_rate_since_the_last_line(writer, storage, caplog):
+    """Each progress line says how fast files went out since the line before (what storage
+    must sustain now), not since the start."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    new(writer, storage, a=4, b=4)
+    save(writer, ("a", 0, rows(4)), ("b", 0, rows(4)))
+    finish(writer, a=[1, 2, 3, 4], b=[5, 6, 7, 8])
+    deadline = time.monotonic() + 10
+    while writer.stats.files < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    size = writer.stats.bytes
+    assert writer.stats.files == 2 and size > 0
+    writer.last_log = 0.0  # due now; the last line was 10 s ago with one file and no bytes
+    writer.logged = (time.monotonic() - 10, 1, 0)
+    new(writer, storage, c=4)
+    save(writer, ("c", 0, rows(1)))
+    (line,) = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
+    assert f"; {size / 10 / 1e9:.2f} GB/s, 0.1 files/s over the last 10 s; " in line, line
+    writer.last_log = 0.0  # the next line counts from this one: no file since
+    save(writer, ("c", 1, rows(1)))
+    lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
+    assert len(lines) == 2 and "; 0.00 GB/s, 0.0 files/s over the last 0 s; " in lines[1], lines
+
+
 def test_without_synchronization_lock(storage):
     """use_synchronization_lock off (vLLM's upstream option, for offline runs): the file is
     written as always, and no .lock file is made or left."""

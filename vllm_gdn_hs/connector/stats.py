@@ -51,11 +51,16 @@ class WriterStats:
             + (f"; {backlog:.1f} s of drain waiting on write_backlog_gb" if backlog else "")
         )
 
-    def progress_line(self, unit: str = "files") -> str:
+    def progress_line(self, unit: str = "files", rate: tuple | None = None) -> str:
+        """``rate``: (seconds, files, bytes) since the last line, for its rate."""
+        since = ""
+        if rate and rate[0] > 0:
+            s, n, size = rate
+            since = f"; {size / s / 1e9:.2f} GB/s, {n / s:.1f} {unit}/s over the last {s:.0f} s"
         return (
             f"{self.files} {unit} ({self.bytes / 1e9:.2f} GB) written, {self.failed} failed, "
             f"{self.aborted} aborted, {self.writing} writing ({self.backlog_bytes / 1e9:.2f} GB), "
-            f"{self.in_flight} requests in flight; {self.timing_summary()}"
+            f"{self.in_flight} requests in flight{since}; {self.timing_summary()}"
         )
 
     def shutdown_line(self, unfinished_ids: list[str] = (), unit: str = "files") -> str:

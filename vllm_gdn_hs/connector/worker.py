@@ -75,6 +75,7 @@ class HybridHiddenStatesConnectorWorker:
             norms_width=num_layers + cfg.fp8,
         )
         self.last_log = time.monotonic()
+        self.logged = (self.last_log, 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
 
@@ -134,7 +135,10 @@ class HybridHiddenStatesConnectorWorker:
             if now - self.last_log < every:
                 return
             self.last_log = now
-        logger.info("%s: %s", CONNECTOR_NAME, self.stats.progress_line(self.storage.unit))
+            stats, (then, files, size) = self.stats, self.logged
+            self.logged = (now, stats.files, stats.bytes)
+        rate = (now - then, stats.files - files, stats.bytes - size)
+        logger.info("%s: %s", CONNECTOR_NAME, stats.progress_line(self.storage.unit, rate))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
