@@ -44,7 +44,7 @@ def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
     )
     path = str(tmp_path / "a.safetensors")
     w.on_metadata(HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("a", path, 3)]))
-    w.last_log = 0.0
+    w.logged = (0.0, 0, 0)  # the last progress line is long past
     w.save(torch.randn(3, 2, 4).bfloat16(), ["a"], torch.tensor([0, 3]), torch.arange(3))
     w.on_metadata(
         HybridHiddenStatesConnectorMetadata(finished_requests=[FinishedRequest("a", [1, 2, 3])])

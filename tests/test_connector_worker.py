@@ -502,7 +502,7 @@ def test_progress_line_without_finished_files(writer, storage, caplog):
     from the drain thread, through vLLM's logger at INFO."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     new(writer, storage, a=4)
-    writer.last_log = 0.0  # the last line is long past
+    writer.logged = (0.0, 0, 0)  # the last line is long past
     save(writer, ("a", 0, rows(4)))
     assert writer.drained(10)
     lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
@@ -518,24 +518,25 @@ def test_progress_line_gives_the_rate_since_the_last_line(writer, storage, caplo
     """Each progress line says how fast files went out since the line before (what storage
     must sustain now), not since the start."""
     caplog.set_level(logging.INFO, logger=LOGGER)
-    new(writer, storage, a=4, b=4)
-    save(writer, ("a", 0, rows(4)), ("b", 0, rows(4)))
-    finish(writer, a=[1, 2, 3, 4], b=[5, 6, 7, 8])
+    names = "abcdefgh"
+    new(writer, storage, **dict.fromkeys(names, 4))
+    save(writer, *((r, 0, rows(4)) for r in names))
+    finish(writer, **{r: [1, 2, 3, 4] for r in names})
     deadline = time.monotonic() + 10
-    while writer.stats.files < 2 and time.monotonic() < deadline:
+    while writer.stats.files < len(names) and time.monotonic() < deadline:
         time.sleep(0.01)
     size = writer.stats.bytes
-    assert writer.stats.files == 2 and size > 0
-    writer.last_log = 0.0  # due now; the last line was 10 s ago with one file and no bytes
-    writer.logged = (time.monotonic() - 10, 1, 0)
-    new(writer, storage, c=4)
-    save(writer, ("c", 0, rows(1)))
+    assert writer.stats.files == 8 and size > 0
+    writer.logged = (time.monotonic() - 40, 4, size // 2)  # a line 40 s ago, at half of it
+    new(writer, storage, i=4)
+    save(writer, ("i", 0, rows(1)))
     (line,) = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
-    assert f"; {size / 10 / 1e9:.2f} GB/s, 0.1 files/s over the last 10 s; " in line, line
-    writer.last_log = 0.0  # the next line counts from this one: no file since
-    save(writer, ("c", 1, rows(1)))
+    assert f"; {size / 2 / 40 / 1e9:.2f} GB/s, 0.1 files/s over the last 40 s; " in line, line
+    when, files, done = writer.logged  # the next line counts from this one: no file since
+    writer.logged = (when - 40, files, done)
+    save(writer, ("i", 1, rows(1)))
     lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
-    assert len(lines) == 2 and "; 0.00 GB/s, 0.0 files/s over the last 0 s; " in lines[1], lines
+    assert len(lines) == 2 and "; 0.00 GB/s, 0.0 files/s over the last 40 s; " in lines[1], lines
 
 
 def test_without_synchronization_lock(storage):

@@ -74,8 +74,7 @@ class HybridHiddenStatesConnectorWorker:
             self.ring.hidden_states.dtype,  # as stored: fp8 with cfg.fp8
             norms_width=num_layers + cfg.fp8,
         )
-        self.last_log = time.monotonic()
-        self.logged = (self.last_log, 0, 0)  # (when, files, bytes) at the last progress line
+        self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
 
@@ -131,11 +130,10 @@ class HybridHiddenStatesConnectorWorker:
         """The progress line, at most every ``every`` s (after each step, so a long decode
         phase that finishes no file is not silent)."""
         with self.log_lock:
-            now = time.monotonic()
-            if now - self.last_log < every:
+            now, (then, files, size) = time.monotonic(), self.logged
+            if now - then < every:
                 return
-            self.last_log = now
-            stats, (then, files, size) = self.stats, self.logged
+            stats = self.stats
             self.logged = (now, stats.files, stats.bytes)
         rate = (now - then, stats.files - files, stats.bytes - size)
         logger.info("%s: %s", CONNECTOR_NAME, stats.progress_line(self.storage.unit, rate))
