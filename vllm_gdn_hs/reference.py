@@ -297,13 +297,17 @@ class HFReference:
         """(HF fp32, HF bf16) hidden states [T, L, H] of one prompt, on the CPU."""
         key = tuple(int(t) for t in prompt)
         if key not in self._cache:
-            if len(self._cache) >= self.max_cached:
-                del self._cache[next(iter(self._cache))]  # the oldest
+            self._make_room(1)
             self._cache[key] = tuple(
                 hf_hidden_states(self.model(dtype), [list(key)], self.layer_ids)[0]
                 for dtype in (torch.float32, torch.bfloat16)
             )
         return self._cache[key]
+
+    def _make_room(self, n: int) -> None:
+        """Drop the oldest cached references until ``n`` more fit."""
+        while self._cache and len(self._cache) + n > self.max_cached:
+            del self._cache[next(iter(self._cache))]
 
     def precompute(self, prompts: list[list[int]]) -> None:
         """Cache the references of ``prompts`` one dtype at a time, each model dropped after
@@ -315,8 +319,7 @@ class HFReference:
         keys = [k for k in keys if k not in self._cache]
         if not keys:
             return
-        while self._cache and len(self._cache) + len(keys) > self.max_cached:
-            del self._cache[next(iter(self._cache))]  # the oldest
+        self._make_room(len(keys))
         refs = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = self.model(dtype)
