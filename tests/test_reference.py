@@ -224,3 +224,16 @@ def test_batched_references_match_one_prompt_a_pass(refs, kind):
     for prompt in prompts:
         torch.testing.assert_close(batched(prompt)[0], alone(prompt)[0], rtol=1e-4, atol=1e-5)
     batched.close()
+
+
+def test_cache_drops_the_oldest_references_first(refs):
+    ref = HFReference(refs("dense").model_dir, LAYERS["dense"], device="cpu", max_cached=2)
+    a, b, c, d = ([i + 1] * 3 for i in range(4))
+    ref.precompute([a, b])
+    ref(c)  # one more: a goes
+    assert list(ref._cache) == [tuple(b), tuple(c)]
+    ref.precompute([c, d])  # c is cached; d needs room: b goes
+    assert list(ref._cache) == [tuple(c), tuple(d)]
+    with pytest.raises(ValueError, match="more than max_cached=2"):
+        ref.precompute([a, b, c])
+    ref.close()
