@@ -88,6 +88,24 @@ def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsy
     assert "pip install 'vllm==0.20.2'" in out
 
 
+def test_doctor_untested_vllm_says_how_to_run_it(monkeypatch, capsys):
+    from packaging.version import Version
+
+    import vllm_gdn_hs.version as version
+    from vllm_gdn_hs.doctor import run_doctor
+
+    monkeypatch.setattr(version, "installed_vllm", lambda: Version("0.99.0"))
+    monkeypatch.delenv(version.ALLOW_UNTESTED, raising=False)
+    assert run_doctor() == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAIL\s+vllm\s+0\.99\.0 \(untested, run with VLLM_GDN_HS_ALLOW_UNTE", out)
+    assert f"or set {version.ALLOW_UNTESTED}=1 to run vllm 0.99.0 untested" in out
+    monkeypatch.setenv(version.ALLOW_UNTESTED, "1")
+    rows = {item.strip(): (value, problem) for item, value, problem in checks()}
+    assert rows["vllm"] == (f"0.99.0 (untested, run with {version.ALLOW_UNTESTED}=1)", None)
+    assert rows["plugin via vllm.general_plugins"] == ("found", None)
+
+
 def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):
     monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
     folder = tmp_path / "hs" / "new"  # made, as the connector makes it

@@ -743,3 +743,22 @@ def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monke
 def test_no_gdn_backend_flag_for_dense_models(dense, monkeypatch):
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     assert "--additional-config" not in launch.build_command(launch.parse_args([dense]))
+
+
+def test_untested_vllm_refused_unless_allowed_then_the_command_carries_it(
+    hybrid, monkeypatch, capsys
+):
+    """A vLLM newer than the newest tested release: refused, naming the variable that runs it;
+    with it set, the printed command exports it, so that it runs where it is pasted too."""
+    from packaging.version import Version
+
+    from vllm_gdn_hs import version
+
+    monkeypatch.setattr(version, "installed_vllm", lambda: Version("0.99.0"))
+    monkeypatch.delenv(version.ALLOW_UNTESTED, raising=False)
+    err = fail(capsys, hybrid)
+    assert "found vllm 0.99.0" in err and f"or set {version.ALLOW_UNTESTED}=1 to run" in err
+    monkeypatch.setenv(version.ALLOW_UNTESTED, "1")
+    assert launch.main([hybrid, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"export {version.ALLOW_UNTESTED}=1" in lines[1:-1]

@@ -21,13 +21,16 @@ from packaging.version import Version
 import vllm_gdn_hs
 from vllm_gdn_hs import patch
 from vllm_gdn_hs.version import (
+    ALLOW_UNTESTED,
     REFUSED,
     RELEASES,
     UnsupportedVllmError,
     check_vllm,
     describe_releases,
     has_v1_runner,
+    install_command,
     installed_vllm,
+    is_untested,
     runs_model_runner_v2,
     supported_releases,
     supported_vllm,
@@ -169,10 +172,13 @@ def test_installed_vllm_is_supported():
     "version, nearest",
     [("0.19.0", "0.20.2"), ("0.20.0", "0.20.2"), ("0.35.0", "0.34.0"), ("1.0.0", "0.34.0")],
 )
-def test_unsupported_vllm_names_supported_versions(version, nearest):
+def test_unsupported_vllm_names_supported_versions(version, nearest, monkeypatch):
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
     with pytest.raises(UnsupportedVllmError) as e:
         check_vllm(Version(version))
     msg = str(e.value)
+    # a newer release names the way to run it untested; an older one cannot run
+    assert (ALLOW_UNTESTED in msg) == (Version(version) > Version(RELEASES[-1]))
     assert f"found vllm {version}" in msg
     assert f"supports vllm {describe_releases()}" in msg
     assert (
@@ -204,11 +210,13 @@ if hasattr(vllm.logger, "configure_logging_if_needed"):
     vllm.logger.configure_logging_if_needed(LoggingConfig())
 """
 
-_UNSUPPORTED = """
+# As if vLLM RELEASE were installed (the code is prefixed with RELEASE = "..." and what to
+# take away from vLLM first).
+_AS_IF_INSTALLED = """
 import json, sys
 import vllm_gdn_hs.version as v
 from packaging.version import Version
-v.installed_vllm = lambda: Version("0.19.0")  # as if an unsupported release were installed
+v.installed_vllm = lambda: Version(RELEASE)
 import vllm.plugins
 vllm.plugins.load_general_plugins()  # must not raise
 import vllm_gdn_hs, vllm_gdn_hs.patch as p
@@ -237,17 +245,77 @@ print("RESULT " + json.dumps(dict(
 def test_unsupported_vllm_warns_and_stays_out_of_the_way(run_python):
     """vLLM calls register() in every process: on an unsupported release it must not break
     vLLM for those who never name the connector, and naming it must say what to install."""
-    proc = run_python(_LOGGING + _UNSUPPORTED, plugins=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    got = json.loads(lines[-1][len("RESULT ") :])
+    got, out = _as_if_installed(run_python, "0.19.0")
     assert got["applied"] == [] and got["patched"] == []
     assert got["error"].startswith(
         f"UnsupportedVllmError: vllm-gdn-hs supports vllm {describe_releases()}"
     )
     assert "found vllm 0.19.0" in got["error"]
-    out = (proc.stdout + proc.stderr).splitlines()
     warnings = [ln for ln in out if "found vllm 0.19.0" in ln and not ln.startswith("RESULT")]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
+
+
+def _as_if_installed(run_python, release: str, take_away: str = "") -> tuple[dict, list[str]]:
+    """Load vLLM's plugins as if ``release`` were installed, after running ``take_away``: what
+    was applied and patched, the error naming the connector gives, and the output's lines."""
+    code = f"RELEASE = {release!r}\n{take_away}\n{_AS_IF_INSTALLED}"
+    proc = run_python(_LOGGING + code, plugins=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :]), (proc.stdout + proc.stderr).splitlines()
+
+
+def test_untested_release_runs_only_when_allowed(monkeypatch):
+    newest = Version(RELEASES[-1])
+    newer = Version(f"{newest.major}.{newest.minor + 1}.0")  # the next release, not yet tested
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
+    with pytest.raises(UnsupportedVllmError, match=f"or set {ALLOW_UNTESTED}=1 to run vllm"):
+        check_vllm(newer)
+    for value in ("0", "yes", ""):
+        monkeypatch.setenv(ALLOW_UNTESTED, value)
+        with pytest.raises(UnsupportedVllmError):
+            check_vllm(newer)
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    assert check_vllm(newer) == newer and check_vllm(Version("1.0.0+cu130"))
+    assert is_untested(newer) and not is_untested(RELEASES[-1])
+    with pytest.raises(UnsupportedVllmError, match="found vllm 0.19.0"):
+        check_vllm(Version("0.19.0"))  # older than the first: never
+    # An untested release takes the newest release's patches.
+    assert patch.patches_for(str(newer)) == patch.patches_for(RELEASES[-1]) != ()
+    assert patch.patches_for("0.19.0") == ()
+
+
+def test_untested_release_with_every_hook_runs_and_says_so(run_python, monkeypatch):
+    """A newer vLLM whose methods the patches wrap are all there (as the newest release's):
+    with the variable set, every patch applies and one warning says the release is untested
+    and how to check its files."""
+    if installed_vllm().base_version != RELEASES[-1]:
+        pytest.skip(f"the newest release's hooks are those of vLLM {RELEASES[-1]}")
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    got, out = _as_if_installed(run_python, "0.99.0")
+    assert got["error"] is None and got["applied"] == list(patch.patches_for(RELEASES[-1]))
+    assert len(got["patched"]) == 4  # VllmConfig, KVTransferConfig, EngineArgs, the runner
+    warnings = [ln for ln in out if "vllm 0.99.0 is newer than" in ln]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
+    assert "vllm-gdn-hs check DIR --reference MODEL" in warnings[0]
+
+
+def test_untested_release_without_a_hook_is_refused_naming_it(run_python, monkeypatch):
+    """A newer vLLM that renamed a method a patch wraps: nothing is applied, vLLM runs on
+    without the plugin, and naming the connector says which method and what to install."""
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    gone = "_set_default_chunked_prefill_and_prefix_caching_args"
+    take_away = f"from vllm.engine.arg_utils import EngineArgs\ndel EngineArgs.{gone}"
+    got, out = _as_if_installed(run_python, "0.99.0", take_away)
+    assert got["applied"] == [] and got["patched"] == []
+    assert got["error"].startswith(
+        "UnsupportedVllmError: vllm 0.99.0 lacks what the runtime patch patch_engine_arg_utils "
+        f"wraps (AttributeError: type object 'EngineArgs' has no attribute '{gone}')"
+    )
+    assert got["error"].endswith(
+        f"Install the newest tested release: {install_command(RELEASES[-1])}"
+    )
+    warnings = [ln for ln in out if "vllm 0.99.0 lacks" in ln and not ln.startswith("RESULT")]
     assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
 
 

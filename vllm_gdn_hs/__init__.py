@@ -36,25 +36,28 @@ def register() -> None:
     plugin does not support it never raises (vLLM calls it in every process, also those
     that never use the connector): it logs one warning, applies nothing, and registers
     :mod:`vllm_gdn_hs.unsupported` under the connector's name, so that naming the
-    connector fails with the list of supported releases.
+    connector fails with the list of supported releases. A newer, untested release runs
+    only with ``VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1`` and every method the patches wrap
+    present, and says so in one warning.
     """
     global _registered
     if _registered:
         return
-    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
+    from vllm_gdn_hs.patch import apply_patches
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, is_untested, untested_note
 
+    logger = init_logger(__name__)
     module = CONNECTOR_MODULE
     try:
-        check_vllm()
+        version = check_vllm()
+        apply_patches()  # on an untested vLLM, first probes every method the patches wrap
+        if is_untested():
+            logger.warning("%s", untested_note(version))
     except UnsupportedVllmError as e:
-        init_logger(__name__).warning("%s; %s is not usable, vLLM runs without it", e, __name__)
+        logger.warning("%s; %s is not usable, vLLM runs without it", e, __name__)
         module = "vllm_gdn_hs.unsupported"
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if module == CONNECTOR_MODULE:
-        from vllm_gdn_hs.patch import apply_patches
-
-        apply_patches()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
     _registered = True

@@ -165,16 +165,24 @@ def checks(
     model: str | None = None, hidden_states_path: str | None = None
 ) -> list[tuple[str, str, str | None]]:
     """(item, value, problem-or-None) rows."""
-    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, describe_releases
+    from vllm_gdn_hs.version import (
+        ALLOW_UNTESTED,
+        UnsupportedVllmError,
+        check_vllm,
+        describe_releases,
+        installed_vllm,
+        is_untested,
+    )
 
     rows = []
-    vllm_v = _version("vllm")
+    vllm_v = installed_vllm()
     try:
         check_vllm()
         problem = None
     except UnsupportedVllmError as e:
         problem = str(e)
-    rows.append(("vllm", vllm_v or "not installed", problem))
+    untested = f" (untested, run with {ALLOW_UNTESTED}=1)" if vllm_v and is_untested() else ""
+    rows.append(("vllm", f"{vllm_v}{untested}" if vllm_v else "not installed", problem))
     rows.append(("supported vllm", describe_releases(), None))
     for dist in ("torch", "transformers"):
         v = _version(dist)

@@ -43,6 +43,7 @@ from vllm_gdn_hs.serve_args import (
     shutdown_env,
     take_kv_transfer_config,
 )
+from vllm_gdn_hs.version import ALLOW_UNTESTED, is_untested
 
 _USAGE = (
     "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
@@ -159,10 +160,13 @@ def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> li
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
             f"vllm-gdn-hs ships {', '.join(repr(b) for b in BACKENDS)}"
         )
+    from vllm_gdn_hs.patch import runtime_patches
     from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
 
     try:
         check_vllm()
+        if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone
+            runtime_patches()
     except UnsupportedVllmError as e:
         raise LaunchError(str(e)) from None
     if info is None:
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
         return 2
     kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
     env = shutdown_env(drain_seconds(kv))
+    if is_untested():  # the printed command runs elsewhere too
+        env[ALLOW_UNTESTED] = "1"
     print("Running command:")
     for key, value in env.items():  # time at shutdown for the answered requests' files
         print(f"export {key}={shlex.quote(value)}")

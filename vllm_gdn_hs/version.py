@@ -11,6 +11,7 @@ requirement in ``pyproject.toml`` admits exactly RELEASES among published releas
 from __future__ import annotations
 
 import functools
+import os
 from importlib import metadata
 
 from packaging.requirements import Requirement
@@ -46,6 +47,10 @@ NEEDS_OVERRIDES = ("0.34.0",)
 MODEL_RUNNER_V2_FROM = "0.33.0"
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
+# A vLLM newer than the newest release in RELEASES is untested: refused by default, run with
+# this variable set to 1 (patch/ then probes that every vLLM method it wraps is still there,
+# with the newest release's patches, and refuses naming the first one that is not).
+ALLOW_UNTESTED = "VLLM_GDN_HS_ALLOW_UNTESTED_VLLM"
 
 
 class UnsupportedVllmError(RuntimeError):
@@ -153,8 +158,30 @@ def install_command(release: str) -> str:
     return f"pip install 'vllm=={release}'"
 
 
+def is_untested(version: str | Version | None = None) -> bool:
+    """Whether this release (default: installed) is newer than every release in RELEASES."""
+    return _release(None if version is None else str(version)) > Version(RELEASES[-1])
+
+
+def untested_allowed() -> bool:
+    return os.environ.get(ALLOW_UNTESTED, "").strip() == "1"
+
+
+def untested_note(version: Version) -> str:
+    """What a run on an untested release says, once per process."""
+    return (
+        f"vllm {version} is newer than {RELEASES[-1]}, the newest release {DIST_NAME} is "
+        f"tested on; {ALLOW_UNTESTED}=1 runs it with {RELEASES[-1]}'s runtime patches, whose "
+        f"vLLM methods are all there. Hold the first files to HF transformers before a long "
+        f"run: vllm-gdn-hs check DIR --reference MODEL --layer-ids ..."
+    )
+
+
 def check_vllm(version: Version | None = None) -> Version:
-    """Return the installed vLLM version, or raise naming the supported ones and the nearest."""
+    """Return the installed vLLM version, or raise naming the supported ones and the nearest.
+
+    A release newer than every supported one passes only with ``VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1``;
+    then :func:`vllm_gdn_hs.patch.runtime_patches` probes the vLLM methods they wrap."""
     version = version if version is not None else installed_vllm()
     if version is None:
         raise UnsupportedVllmError(
@@ -169,9 +196,16 @@ def check_vllm(version: Version | None = None) -> Version:
             f"{DIST_NAME} refuses vllm {version}: {REFUSED[release]}. "
             f"Install the nearest supported release: {install}"
         )
+    if is_untested(release) and untested_allowed():
+        return version
     if release not in RELEASES or Version(release) not in supported_vllm():
+        untested = (
+            f", or set {ALLOW_UNTESTED}=1 to run vllm {version} untested"
+            if is_untested(release)
+            else ""
+        )
         raise UnsupportedVllmError(
             f"{DIST_NAME} supports vllm {describe_releases()}, found vllm {version}. "
-            f"Install the nearest supported release: {install}"
+            f"Install the nearest supported release: {install}{untested}"
         )
     return version

@@ -10,7 +10,15 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from vllm_gdn_hs.version import RELEASES, has_v1_runner, installed_vllm, runs_model_runner_v2
+from vllm_gdn_hs.version import (
+    RELEASES,
+    UnsupportedVllmError,
+    has_v1_runner,
+    install_command,
+    installed_vllm,
+    is_untested,
+    runs_model_runner_v2,
+)
 
 # The patch modules, in the order they apply; the same on every supported release (the few
 # differences between releases are feature probes inside each module), plus one runner patch
@@ -25,10 +33,13 @@ MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 
 
 def patches_for(version: str | None = None) -> tuple[str, ...]:
-    """The patches a vLLM release needs: none for a release the plugin does not support."""
+    """The patches a vLLM release needs: none for a release the plugin does not support, the
+    newest release's for an untested newer one."""
     if version is None:
         v = installed_vllm()
-        version = v.base_version if v is not None else ""
+        version = v.base_version if v is not None else "0"
+    if is_untested(version):
+        version = RELEASES[-1]
     if version not in RELEASES:
         return ()
     runners = ((V1_RUNNER_PATCH,) if has_v1_runner(version) else ()) + (
@@ -62,12 +73,32 @@ class Patch:
 _applied: list[str] = []
 
 
+def runtime_patches() -> dict[str, Patch]:
+    """The installed vLLM's patches by module name, imported and not yet applied.
+
+    Each module takes the vLLM methods it wraps when imported. On an untested newer vLLM a
+    method that is gone is the probe's answer: UnsupportedVllmError names it, before any
+    patch is applied."""
+    patches = {}
+    for name in patches_for():
+        try:
+            patches[name] = importlib.import_module(f"{__name__}.{name}").PATCH
+        except (AttributeError, ImportError) as e:
+            if not is_untested():
+                raise
+            raise UnsupportedVllmError(
+                f"vllm {installed_vllm()} lacks what the runtime patch {name} wraps "
+                f"({type(e).__name__}: {e}). Install the newest tested release: "
+                f"{install_command(RELEASES[-1])}"
+            ) from e
+    return patches
+
+
 def apply_patches() -> list[str]:
     """Apply the patches the installed vLLM needs (once per process)."""
     if _applied:
         return list(_applied)
-    for name in patches_for():
-        module = importlib.import_module(f"{__name__}.{name}")
-        module.PATCH.apply()
+    for name, patch in runtime_patches().items():
+        patch.apply()
         _applied.append(name)
     return list(_applied)
