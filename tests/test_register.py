@@ -300,21 +300,38 @@ def test_untested_release_with_every_hook_runs_and_says_so(run_python, monkeypat
     assert "vllm-gdn-hs check DIR --reference MODEL" in warnings[0]
 
 
-def test_untested_release_without_a_hook_is_refused_naming_it(run_python, monkeypatch):
-    """A newer vLLM that renamed a method a patch wraps: nothing is applied, vLLM runs on
-    without the plugin, and naming the connector says which method and what to install."""
+_ENGINE_ARGS_METHOD = "_set_default_chunked_prefill_and_prefix_caching_args"
+_TAKE_AWAY = {  # what a newer vLLM may rename, and the message that names it
+    "a wrapped method": (
+        f"from vllm.engine.arg_utils import EngineArgs\ndel EngineArgs.{_ENGINE_ARGS_METHOD}",
+        "patch_engine_arg_utils needs (AttributeError: type object 'EngineArgs' has no "
+        f"attribute '{_ENGINE_ARGS_METHOD}')",
+    ),
+    "a field of the forward pass's state": (
+        "import typing, vllm.v1.worker.gpu.model_runner as m\n"
+        "m.ExecuteModelState = typing.NamedTuple("
+        "'ExecuteModelState', [('input_batch', object), ('hidden_states', object)])",
+        "patch_worker_gpu_model_runner_v2 needs (AttributeError: ExecuteModelState has no "
+        "'aux_hidden_states')",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(_TAKE_AWAY))
+def test_untested_release_without_a_hook_is_refused_naming_it(what, run_python, monkeypatch):
+    """A newer vLLM that renamed what a patch wraps or reads: nothing is applied, vLLM runs on
+    without the plugin, and naming the connector says what is gone and what to install."""
+    if what != "a wrapped method" and not runs_model_runner_v2():
+        pytest.skip("the newest release's runner patch needs Model Runner V2 (0.33.0 on)")
     monkeypatch.setenv(ALLOW_UNTESTED, "1")
-    gone = "_set_default_chunked_prefill_and_prefix_caching_args"
-    take_away = f"from vllm.engine.arg_utils import EngineArgs\ndel EngineArgs.{gone}"
+    take_away, named = _TAKE_AWAY[what]
     got, out = _as_if_installed(run_python, "0.99.0", take_away)
     assert got["applied"] == [] and got["patched"] == []
     assert got["error"].startswith(
-        "UnsupportedVllmError: vllm 0.99.0 lacks what the runtime patch patch_engine_arg_utils "
-        f"wraps (AttributeError: type object 'EngineArgs' has no attribute '{gone}')"
-    )
-    assert got["error"].endswith(
-        f"Install the newest tested release: {install_command(RELEASES[-1])}"
-    )
+        f"UnsupportedVllmError: vllm 0.99.0 lacks what the runtime patch {named}"
+    ), got["error"]
+    install = install_command(RELEASES[-1])
+    assert got["error"].endswith(f"Install the newest tested release: {install}")
     warnings = [ln for ln in out if "vllm 0.99.0 lacks" in ln and not ln.startswith("RESULT")]
     assert len(warnings) == 1 and "WARNING" in warnings[0], warnings
 

@@ -7,7 +7,9 @@ has its twin as a source patch in ``patches/<vllm version>/``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 from dataclasses import dataclass
 
 from vllm_gdn_hs.version import (
@@ -70,15 +72,31 @@ class Patch:
         self.applied = True
 
 
+def require(what, *names: str) -> None:
+    """Raise AttributeError naming the first of ``names`` that ``what`` lacks: a function's
+    parameter, a dataclass's or NamedTuple's field, or a class's attribute. A patch module
+    calls it at import for what its code reads of vLLM besides the methods it wraps, so that
+    a vLLM that renamed one is refused at startup (:func:`runtime_patches`), not at a step."""
+    if inspect.isfunction(what):
+        have = set(inspect.signature(what).parameters)
+    elif dataclasses.is_dataclass(what):
+        have = {f.name for f in dataclasses.fields(what)}
+    else:
+        have = set(getattr(what, "_fields", ())) | set(dir(what))
+    for name in names:
+        if name not in have:
+            raise AttributeError(f"{what.__qualname__} has no {name!r}")
+
+
 _applied: list[str] = []
 
 
 def runtime_patches() -> dict[str, Patch]:
     """The installed vLLM's patches by module name, imported and not yet applied.
 
-    Each module takes the vLLM methods it wraps when imported. On an untested newer vLLM a
-    method that is gone is the probe's answer: UnsupportedVllmError names it, before any
-    patch is applied."""
+    Each module takes the vLLM methods it wraps when imported, and checks what else it reads
+    (:func:`require`). On an untested newer vLLM one that is gone is the probe's answer:
+    UnsupportedVllmError names it, before any patch is applied."""
     patches = {}
     for name in patches_for():
         try:
@@ -87,7 +105,7 @@ def runtime_patches() -> dict[str, Patch]:
             if not is_untested():
                 raise
             raise UnsupportedVllmError(
-                f"vllm {installed_vllm()} lacks what the runtime patch {name} wraps "
+                f"vllm {installed_vllm()} lacks what the runtime patch {name} needs "
                 f"({type(e).__name__}: {e}). Install the newest tested release: "
                 f"{install_command(RELEASES[-1])}"
             ) from e

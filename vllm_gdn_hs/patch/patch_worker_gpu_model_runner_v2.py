@@ -40,9 +40,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 
-from vllm_gdn_hs.patch import Patch
+from vllm_gdn_hs.patch import Patch, require
 from vllm_gdn_hs.patch.extraction import hand_over, profile_step, set_up_extraction
 
 _orig_init = GPUModelRunner.__init__
@@ -50,6 +51,10 @@ _orig_load_model = GPUModelRunner.load_model
 _orig_profile_run = GPUModelRunner.profile_run
 _orig_execute_model = GPUModelRunner.execute_model
 _EXECUTE_MODEL_ARGS = inspect.signature(_orig_execute_model)
+# What execute_model and save_step read besides the wrapped methods.
+require(_orig_execute_model, "scheduler_output", "dummy_run")
+require(ExecuteModelState, "input_batch", "aux_hidden_states")
+require(InputBatch, "req_ids", "num_reqs", "query_start_loc_np", "positions")
 
 
 def __init__(self, vllm_config, device) -> None:
