@@ -334,7 +334,9 @@ def test_prepare_data_renders_on_vllm_and_masks_the_answers(model_dir, render_se
     data, out = str(tmp_path / "chat.jsonl"), str(tmp_path / "prepared")
     turns = pipeline.write_dataset(data, CONVERSATIONS, seed=0)
     wait_healthy(render_server)
-    argv = pipeline.prepare_args(model_dir, data, out, render_server["url"], workers=1)
+    # workers=0: datasets maps in this process. With 1 it forks a pool from this process, which
+    # has vLLM's and torch's threads; such a child has died (SIGSEGV importing httpcore).
+    argv = pipeline.prepare_args(model_dir, data, out, render_server["url"], workers=0)
     with contextlib.suppress(SystemExit):
         app(argv, standalone_mode=False)  # speculators' CLI, in this process
     rows = load_from_disk(out)
