@@ -1,10 +1,12 @@
 """Plugin registration, the vLLM version gate and the patch registry; CPU only.
 
-Run: python -m pytest tests/test_register.py -q (no GPU, no network; one
-test starts a fresh interpreter, ~10 s).
+Run: python -m pytest tests/test_register.py -q (no GPU, no network; the tests of what
+vLLM's plugin loader does start fresh interpreters, ~10 s each).
 Covers: vLLM's own plugin loader finds the plugin and KVConnectorFactory resolves
 HybridHiddenStatesConnector lazily; register() is idempotent and a Patch refuses to apply
-twice; an unsupported vLLM is refused naming the supported versions; the supported
+twice; an unsupported vLLM is refused naming the supported versions; a newer, untested one
+runs only with VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1 and every hook its patches need, else is
+refused naming the missing one, before any patch applies; the supported
 versions come from the package metadata and equal the pin in pyproject.toml; every
 runtime patch module has a test module and a source twin in patches/<vllm version>/.
 """
