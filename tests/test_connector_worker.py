@@ -755,3 +755,79 @@ def test_stats_reach_vllms_kv_connector_logging(storage):
     assert line.startswith("KV Transfer metrics: ") and "files=3" in line and "steps=2" in line
     assert f"bytes={3 * 2 * L * H * 2}" in line and "failed" not in line  # zeros left out
     w.close()
+    # A gauge is a value, not a change: the interval keeps the newest, even when it is 0.
+    vllm_log.observe({"files": 1, "writing": 2})
+    vllm_log.observe({"files": 2, "writing": 0})
+    vllm_log.log(lambda fmt, text: logged.append(fmt % text))
+    assert "files=3" in logged[-1] and "writing=0" in logged[-1], logged[-1]
+
+
+def scrape() -> dict[tuple[str, str], float]:
+    """The ``vllm:hidden_states_*`` samples of vLLM's /metrics text, by (name, engine)."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(REGISTRY).decode()
+    return {
+        (s.name, s.labels["engine"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:hidden_states_") and not s.name.endswith("_created")
+    }
+
+
+def test_stats_reach_vllms_prometheus_metrics(storage, monkeypatch, hybrid_model):
+    """vLLM's own PrometheusStatLogger, built from a real config that names the connector,
+    shows the writer's figures on /metrics for the engine that reports them: counters summed
+    over intervals, and the gauges of writes held up by slow storage, back at 0 once written."""
+    import harness
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    import vllm_gdn_hs
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+
+    vllm_gdn_hs.register()
+    prom = PrometheusStatLogger(
+        harness.engine_config(hybrid_model, connector=harness.OURS), engine_indexes=[0, 1]
+    )
+    connector = object.__new__(HybridHiddenStatesConnector)  # its worker side alone
+    connector._worker = w = make_writer(storage, write_workers=1)
+
+    def report(engine: int) -> dict:
+        """One step's stats, as the scheduler hands them to the stats loggers."""
+        if stats := connector.get_kv_connector_stats():
+            sched = SchedulerStats(kv_connector_stats=stats.data)  # the payload sent
+            prom.record(scheduler_stats=sched, iteration_stats=None, engine_idx=engine)
+        got = scrape()
+        return {name[len("vllm:hidden_states_") :]: v for (name, e), v in got.items() if e == "1"}
+
+    def wait_for(what, timeout=30.0):
+        end = time.monotonic() + timeout
+        while not what():
+            assert time.monotonic() < end
+            time.sleep(0.01)
+
+    gate, real_replace = threading.Event(), os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (gate.wait(30), real_replace(src, dst)))
+    per_request = 2 * L * H * 2  # 2 rows of bf16
+    new(w, storage, a=2, b=2)
+    save(w, ("a", 0, rows(2)), ("b", 0, rows(2)))
+    finish(w, a=[1, 2], b=[3, 4])
+    wait_for(lambda: w.stats.writing == 2)
+    held = report(1)
+    assert (held["writing"], held["backlog_bytes"], held["in_flight"]) == (2, 2 * per_request, 0)
+    assert held["saved_total"] == 0 and held["steps_total"] == 1
+    assert all(v == 0 for (_, e), v in scrape().items() if e == "0")  # the other engine's
+
+    gate.set()
+    wait_for(lambda: w.stats.files == 2)
+    new(w, storage, c=2)
+    save(w, ("c", 0, rows(2)))
+    finish(w, c=[5, 6])
+    wait_for(lambda: w.stats.files == 3 and w.stats.writing == 0)
+    done = report(1)
+    assert (done["saved_total"], done["saved_bytes_total"]) == (3, 3 * per_request)
+    assert (done["writing"], done["backlog_bytes"], done["failed_total"]) == (0, 0, 0)
+    assert done["steps_total"] == 2 and done["engine_save_seconds_total"] > 0
+    w.close()

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import random
+import time
 import urllib.request
 
 import launched
@@ -156,3 +157,30 @@ def test_speculators_client(server, hf):
         assert not checks[-1]["problems"], f"{n} tokens: {checks[-1]['problems']}"
     RESULTS["speculators_client"] = _run_figures(hf, checks, "speculators client")
     assert_pooled("speculators client", hf.pooled())
+
+
+def _saved_on_metrics(url: str) -> float:
+    """``vllm:hidden_states_saved_total`` on the server's /metrics, summed over engines."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return sum(
+        s.value for f in families for s in f.samples if s.name == "vllm:hidden_states_saved_total"
+    )
+
+
+def test_metrics_count_the_files(server):
+    """vLLM's /metrics shows the writer's figures: every file complete before a later engine
+    step is counted by then (the figures travel with each step's output)."""
+    prompt = {"model": server["model"], "max_tokens": 1, "return_token_ids": True}
+    for n in (3, 40):
+        resp = _post(server["url"] + "/v1/completions", {**prompt, "prompt": list(range(1, n))})
+        load_hidden_states(resp["kv_transfer_params"]["hidden_states_path"], timeout=30)
+    written = len(list(server["storage"].glob("*.safetensors")))  # every test's so far
+    _post(server["url"] + "/v1/completions", {**prompt, "prompt": [7, 8, 9]})  # a later step
+    end = time.monotonic() + 30
+    while (saved := _saved_on_metrics(server["url"])) < written and time.monotonic() < end:
+        time.sleep(0.5)
+    RESULTS["metrics"] = {"files_before": written, "saved_total": saved}
+    assert written <= saved <= written + 1, (written, saved)

@@ -42,13 +42,16 @@ from vllm_gdn_hs.connector.metadata import (
 )
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
 from vllm_gdn_hs.connector.staging import rows_and_norms
-from vllm_gdn_hs.connector.stats import kv_connector_stats
+from vllm_gdn_hs.connector.stats import HiddenStatesPromMetrics, kv_connector_stats
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.hook import TakesHiddenStates
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -152,8 +155,8 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             self._worker = None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The writer's counters since the last call (files, bytes, failures, host cost), for
-        vLLM's stats loggers; None when nothing changed."""
+        """The writer's counters since the last call (files, bytes, failures, host cost) and
+        its gauges that moved, for vLLM's stats loggers; None when nothing changed."""
         if self._worker is None:
             return None
         return kv_connector_stats(self._worker.interval_stats())
@@ -161,6 +164,21 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return kv_connector_stats(data, empty=True)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The ``vllm:hidden_states_*`` series of vLLM's ``/metrics`` (:mod:`.stats`)."""
+        if HiddenStatesPromMetrics is None:  # pragma: no cover
+            return None
+        return HiddenStatesPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # ==============================
     # Scheduler side

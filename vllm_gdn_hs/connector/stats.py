@@ -1,7 +1,8 @@
 """The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines, the
-benchmarks (``benchmarks/writer_throughput.py``, ``decode_contention.py``) and, where the
-release has it, vLLM's ``KVConnectorStats`` (:class:`HiddenStatesKVConnectorStats`: vLLM's
-``KV Transfer metrics`` log line and its stats loggers).
+benchmarks (``benchmarks/writer_throughput.py``, ``decode_contention.py``) and vLLM's stats
+loggers: its ``KVConnectorStats`` (:class:`HiddenStatesKVConnectorStats`, vLLM's ``KV Transfer
+metrics`` log line) and its Prometheus ``/metrics`` (:class:`HiddenStatesPromMetrics`, the
+``vllm:hidden_states_*`` series per engine).
 
 The log lines keep their wording: ``benchmarks/logparse.py`` finds the last one in an engine
 log of a run it did not start in-process.
@@ -14,10 +15,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-try:  # vLLM's stats container for KV connectors (every supported release has it; probed)
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-except ImportError:  # pragma: no cover - a release without it: the log lines only
-    KVConnectorStats = None
+try:  # vLLM's stats containers for KV connectors (every supported release has them; probed)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+except ImportError:  # pragma: no cover - a release without them: the log lines only
+    KVConnectorPromMetrics = KVConnectorStats = None
 
 
 @dataclass
@@ -99,12 +103,15 @@ class StatsBook:
         with self.lock:
             return dataclasses.replace(self._stats)
 
-    def interval(self) -> dict[str, float]:
-        """The counters' change since the last call; empty if none changed."""
+    def interval(self, gauges: dict[str, float] | None = None) -> dict[str, float]:
+        """The counters' change since the last call, and each of ``gauges`` (name -> value
+        now) whose value changed since; empty if nothing changed."""
+        gauges = gauges or {}
         with self.lock:
             now = self._stats.counters()
             delta = {k: v - self._reported[k] for k, v in now.items() if v != self._reported[k]}
-            self._reported = now
+            delta |= {k: v for k, v in gauges.items() if v != self._reported.get(k, 0)}
+            self._reported = now | gauges
         return delta
 
 
@@ -112,15 +119,16 @@ if KVConnectorStats is not None:
 
     @dataclass
     class HiddenStatesKVConnectorStats(KVConnectorStats):
-        """The writer's counters over one interval (``data``: name -> change), as vLLM's stats
-        loggers collect them from the worker and sum them."""
+        """The writer's figures over one interval (``data``: a counter's change, a gauge's
+        new value), as vLLM's stats loggers collect them from the worker: counters are summed,
+        a gauge keeps its newest value."""
 
         def reset(self) -> None:
             self.data = {}
 
         def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
             for k, v in (other.data or {}).items():
-                self.data[k] = self.data.get(k, 0) + v
+                self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
             return self
 
         def reduce(self) -> dict[str, int | float]:
@@ -128,8 +136,8 @@ if KVConnectorStats is not None:
                 k: round(v, 3) if isinstance(v, float) else v for k, v in sorted(self.data.items())
             }
 
-        def is_empty(self) -> bool:
-            return not any(self.data.values())
+        def is_empty(self) -> bool:  # a gauge back at 0 is news
+            return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
     def kv_connector_stats(
         data: dict[str, Any] | None, empty: bool = False
@@ -142,3 +150,89 @@ else:  # pragma: no cover
 
     def kv_connector_stats(data: dict[str, Any] | None, empty: bool = False) -> None:
         return None
+
+
+# WriterStats field -> the Prometheus series vLLM's /metrics shows it as, and its help text.
+# Not exported: ``unfinished`` and ``lost_at_shutdown`` (they change as the server stops, after
+# its last scrape: the shutdown log line has them).
+PROM_SERIES = {
+    "files": (
+        "vllm:hidden_states_saved_total",
+        "Requests whose hidden states were saved whole: a file with its lock released, or a "
+        "Mooncake object.",
+    ),
+    "bytes": ("vllm:hidden_states_saved_bytes_total", "Bytes of hidden states saved."),
+    "failed": (
+        "vllm:hidden_states_failed_total",
+        "Requests that got no hidden states (a bad row, a write or put error); each is "
+        "logged with its request id.",
+    ),
+    "aborted": (
+        "vllm:hidden_states_aborted_total",
+        "Requests aborted by the client or the engine: no file, no lock.",
+    ),
+    "steps": ("vllm:hidden_states_steps_total", "Forward passes whose rows were saved."),
+    "engine_save_s": (
+        "vllm:hidden_states_engine_save_seconds_total",
+        "Time of the engine thread in the connector's save, waits included.",
+    ),
+    "engine_waited_s": (
+        "vllm:hidden_states_engine_wait_seconds_total",
+        "Time the engine waited for a free host buffer. Growing: the storage is slower than "
+        "the GPU and holds the engine back.",
+    ),
+    "drain_s": (
+        "vllm:hidden_states_drain_seconds_total",
+        "Time of the drain thread filing rows into each request's buffer.",
+    ),
+    "backlog_waited_s": (
+        "vllm:hidden_states_backlog_wait_seconds_total",
+        "Time the drain thread waited for the write backlog (write_backlog_gb) to shrink.",
+    ),
+    "writing": (
+        "vllm:hidden_states_writing",
+        "Finished requests whose file or object is queued or being written.",
+    ),
+    "backlog_bytes": (
+        "vllm:hidden_states_backlog_bytes",
+        "Host memory held by those requests' rows; bounded by write_backlog_gb.",
+    ),
+    "in_flight": ("vllm:hidden_states_in_flight", "Requests whose rows are being collected."),
+}
+
+
+if KVConnectorPromMetrics is not None:
+
+    class HiddenStatesPromMetrics(KVConnectorPromMetrics):
+        """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
+        labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
+        interval's :class:`HiddenStatesKVConnectorStats` data."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self.per_engine: dict[str, dict[int, Any]] = {}
+            for key, (name, doc) in PROM_SERIES.items():
+                if key in WriterStats.GAUGES:
+                    metric = self._gauge_cls(
+                        name=name,
+                        documentation=doc,
+                        labelnames=labelnames,
+                        multiprocess_mode="mostrecent",
+                    )
+                else:
+                    metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                self.per_engine[key] = {
+                    idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+                }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for key, value in transfer_stats_data.items():
+                if (child := self.per_engine.get(key, {}).get(engine_idx)) is None:
+                    continue  # a figure not exported (see PROM_SERIES)
+                if key in WriterStats.GAUGES:
+                    child.set(value)
+                elif value > 0:
+                    child.inc(value)
+
+else:  # pragma: no cover
+    HiddenStatesPromMetrics = None

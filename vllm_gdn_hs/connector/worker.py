@@ -16,6 +16,7 @@ written by then loses its lock and is counted as lost at shutdown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
@@ -116,15 +117,18 @@ class HybridHiddenStatesConnectorWorker:
     @property
     def stats(self) -> WriterStats:
         """The figures now: totals and gauges."""
-        s = self.book.snapshot()
+        return dataclasses.replace(self.book.snapshot(), **self.gauges())
+
+    def gauges(self) -> dict[str, int]:
+        """:attr:`WriterStats.GAUGES` now."""
         with self.writer.cond:
-            s.writing, s.backlog_bytes = self.writer.writing, self.writer.backlog_bytes
-        s.in_flight = len(self.drain.requests)
-        return s
+            writing, backlog = self.writer.writing, self.writer.backlog_bytes
+        return {"writing": writing, "backlog_bytes": backlog, "in_flight": len(self.drain.requests)}
 
     def interval_stats(self) -> dict[str, float]:
-        """The counters' change since the last call (vLLM's ``get_kv_connector_stats``)."""
-        return self.book.interval()
+        """The counters' change since the last call and the gauges that moved (vLLM's
+        ``get_kv_connector_stats``)."""
+        return self.book.interval(self.gauges())
 
     def log_progress(self, every: float = 30.0) -> None:
         """The progress line, at most every ``every`` s (after each step, so a long decode
