@@ -11,8 +11,10 @@ lines from it (logparse.py), and merges the child's records into one results JSO
     python benchmarks/report.py benchmarks/results/h200.json --md benchmarks/results/README-table.md
 
 Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), fp8 (ours, fp8 files),
-            mooncake (ours, objects in a mooncake_master started on 127.0.0.1), upstream (vLLM's
-            ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch size).
+            mooncake (ours, objects in a mooncake_master started on 127.0.0.1), mooncake-fp8
+            (those objects in fp8, read in bf16 by vllm_gdn_hs.train's reader), upstream
+            (vLLM's ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch
+            size).
 Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,
             max_tokens=1), mixed-outK / NxL-outK (the same prompts, K generated tokens with
             include_output_tokens). See benchmarks/README.md.
@@ -52,7 +54,9 @@ from records import (
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "plain-v1", "ours", "ours-v2", "fp8", "mooncake", "upstream", "hf")
+VARIANTS = (
+    "plain", "plain-v1", "ours", "ours-v2", "fp8", "mooncake", "mooncake-fp8", "upstream", "hf"
+)  # fmt: skip
 
 
 def can_start(left_s: float, slowest_s: float) -> bool:

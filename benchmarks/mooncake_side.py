@@ -101,7 +101,7 @@ def reader(address: str, segment: int = 0):
 
 
 class LocalStore:
-    def __init__(self, log_path: str, segment_gib: float, timeout: float = 30.0):
+    def __init__(self, log_path: str, segment_gib: float, timeout: float = 30.0, fp8=False):
         os.environ["MC_TCP_BIND_ADDRESS"] = HOST  # the engine's client advertises loopback
         self.port = free_port()
         self.address = f"{HOST}:{self.port}"
@@ -109,6 +109,7 @@ class LocalStore:
         self.log_path = log_path
         self.proc = start_master(_required_master_binary(), self.port, log_path, timeout)
         self.client = None
+        self.fp8 = fp8  # read with vllm_gdn_hs.train's reader: bf16 back, as the trainer sees it
 
     def options(self) -> dict:
         """``kv_connector_extra_config["mooncake"]`` for the engine."""
@@ -123,6 +124,10 @@ class LocalStore:
     def _reader(self):
         if self.client is None:
             self.client = reader(self.address)
+            if self.fp8:
+                from vllm_gdn_hs.train import MooncakeFP8Transfer
+
+                self.client = MooncakeFP8Transfer(self.client.store)
         return self.client
 
     def take_all(self, outputs, timeout: float, read=False) -> tuple[float, int, int, float]:

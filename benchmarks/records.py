@@ -26,7 +26,17 @@ FAULTS = (TIMED_OUT, FAILED)
 VARIANT_ORDER = {
     v: i
     for i, v in enumerate(
-        ("plain", "plain-v1", "ours", "ours-v2", "fp8", "mooncake", "upstream", "hf")
+        (
+            "plain",
+            "plain-v1",
+            "ours",
+            "ours-v2",
+            "fp8",
+            "mooncake",
+            "mooncake-fp8",
+            "upstream",
+            "hf",
+        )
     )
 }
 # plain vLLM, as shipped; plain-v1 on the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, from
@@ -34,9 +44,9 @@ VARIANT_ORDER = {
 # runner's share from ours
 BASELINES = ("plain", "plain-v1")
 # the variants that run this package's connector: fp8 is ours with ``fp8: true``, mooncake
-# ours with the mooncake backend (a local mooncake_master: mooncake_side.py), ours-v2
-# ours on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33.0)
-OURS = ("ours", "ours-v2", "fp8", "mooncake")
+# ours with the mooncake backend (a local mooncake_master: mooncake_side.py), mooncake-fp8
+# both, ours-v2 ours on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33.0)
+OURS = ("ours", "ours-v2", "fp8", "mooncake", "mooncake-fp8")
 
 
 def status_note(r: dict) -> str:

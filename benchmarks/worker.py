@@ -24,9 +24,11 @@ CONNECTORS = {
     "ours-v2": "HybridHiddenStatesConnector",  # on Model Runner V2 (plan.variant_env)
     "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
     "mooncake": "HybridHiddenStatesConnector",  # objects in a local Mooncake store (run_vllm)
+    "mooncake-fp8": "HybridHiddenStatesConnector",  # those objects in fp8
     "upstream": "ExampleHiddenStatesConnector",
 }
-VARIANT_CONFIG = {"fp8": {"fp8": True}}  # merged under --connector-config
+# merged under --connector-config
+VARIANT_CONFIG = {"fp8": {"fp8": True}, "mooncake-fp8": {"fp8": True}}
 
 
 def wait_files_ready(out_dir: str, outputs, expected: int, timeout: float) -> float:
@@ -113,10 +115,11 @@ def run_vllm(spec: dict, emit, poller: GpuMemPoller) -> None:
     from vllm import LLM, SamplingParams
 
     store = None
-    if spec["variant"] == "mooncake":  # its master, and the trainer's side of each workload
+    if spec["variant"].startswith("mooncake"):  # its master, and the trainer's reads
         from mooncake_side import LocalStore
 
-        store = LocalStore(spec["result_file"] + ".master.log", spec["mooncake_segment_gib"])
+        log, fp8 = spec["result_file"] + ".master.log", spec["variant"] == "mooncake-fp8"
+        store = LocalStore(log, spec["mooncake_segment_gib"], fp8=fp8)
         cfg = {**spec.get("connector_config", {}), "mooncake": store.options()}
         spec = {**spec, "connector_config": cfg}
     try:

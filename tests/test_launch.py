@@ -582,7 +582,7 @@ def test_unknown_backend(capsys, hybrid, backend):
     err = fail(capsys, hybrid, "--hidden-states-backend", backend)
     assert err == (
         f"error: --hidden-states-backend {backend!r} is not available: vllm-gdn-hs ships "
-        "'file', 'fp8', 'mooncake'\n"
+        "'file', 'fp8', 'mooncake', 'mooncake-fp8'\n"
     )
 
 
@@ -597,7 +597,7 @@ def test_fp8_backend_as_speculators_names_it(capsys, hybrid):
     kv = json.loads(plain[plain.index("--kv_transfer_config") + 1])
     assert "fp8" not in kv["kv_connector_extra_config"]
     err = fail(capsys, hybrid, "--", "--kv-transfer-config.kv_connector_extra_config.fp8=true")
-    assert "use --hidden-states-backend fp8 instead" in err
+    assert "use --hidden-states-backend fp8 or mooncake-fp8 instead" in err
 
 
 # --- Checks before vLLM starts --------------------------------------------------------------

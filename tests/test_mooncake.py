@@ -3,15 +3,16 @@
 Run: python -m pytest tests/test_mooncake.py -q (needs mooncake-transfer-engine-non-cuda, the
 dev extra, and libibverbs1 from apt; skipped, saying so, without them). Each test starts its
 own master on a free loopback port and kills it by process id (tests/mooncake_master.py).
-Requests run through vLLM's real Scheduler and our worker side (test_hostile's Engine; the
-GPU is the only fake: each step's rows are seeded random numbers); the objects are read back
-with hs-connectors' own ``MooncakeTransfer``. Covers: bf16 objects bit for bit equal to the
-file backend's files for the same rows, keys that ``sanitize_key`` alone would mix up, the
-manifest in ``kv_transfer_params``; a failed request's error object (the reader fails at
-once, with the reason); the startup check naming the master's address; the master killed
-and restarted mid-run; a full store with a slow reader (back-pressure, nothing evicted,
-host memory within write_backlog_gb); a reader that never comes (a clear log line, bounded
-memory) and shutdown removing what no reader took.
+Requests run through vLLM's real Scheduler and our worker side (test_hostile's Engine; the GPU
+is the only fake: each step's rows are seeded random numbers); the objects are read back with
+hs-connectors' own ``MooncakeTransfer``. Covers: bf16 objects bit for bit equal to the file
+backend's files for the same rows, fp8 objects (``mooncake-fp8``) holding the fp8 files'
+tensors and read in bf16 through speculators' training config, keys that ``sanitize_key`` alone
+would mix up, the manifest in ``kv_transfer_params``; a failed request's error object (the
+reader fails at once, with the reason); the startup check naming the master's address; the
+master killed and restarted mid-run; a full store with a slow reader (back-pressure, nothing
+evicted, host memory within write_backlog_gb); a reader that never comes (a clear log line,
+bounded memory) and shutdown removing what no reader took.
 """
 
 from __future__ import annotations
@@ -147,6 +148,99 @@ def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_pa
         transfer.delete(params["handle"])
         assert transfer.store._store.is_exist(params["handle"]) == 0
     assert len(handles) == 3  # one key each, though sanitize_key maps two ids to one
+    mc_eng.worker.shutdown()
+
+
+def test_fp8_objects_hold_the_fp8_files_tensors(hybrid_model, master, tmp_path):
+    """mooncake-fp8: each object holds the fp8 file's three tensors bit for bit (hs-connectors'
+    stock reader returns them as stored); vllm_gdn_hs.train's reader returns what hs-connectors'
+    FP8Transfer reads from the file: bf16, no scales."""
+    from hs_connectors.transfer import FP8Transfer
+
+    from vllm_gdn_hs.train import MooncakeFP8Transfer
+
+    file_eng = RowsEngine(hybrid_model, str(tmp_path / "files"), fp8=True)
+    mc_eng = mooncake_engine(hybrid_model, tmp_path, master.address, fp8=True)
+    stock = reader(master.address)
+    fp8_reader, file_reader = MooncakeFP8Transfer(stock.store), FP8Transfer(tmp_path / "files")
+    lengths = {"a.b": 5, "a_b": 300, "7x": 64}
+    for eng in (file_eng, mc_eng):
+        for rid, n in lengths.items():
+            eng.add(make_request(rid, prompt(n), max_tokens=3))
+        eng.until_finished(*IDS)
+    file_eng.worker.shutdown()
+    for rid in IDS:
+        params, path = mc_eng.params(rid), file_eng.params(rid)["hidden_states_path"]
+        stored, file = stock.get_generated(params), load_file(path)
+        assert set(stored) == set(file) == {"hidden_states", "hidden_states_scales", "token_ids"}
+        for name, want in file.items():
+            assert stored[name].dtype == want.dtype and stored[name].shape == want.shape
+            assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8)), name
+        got, want = (
+            fp8_reader.get_generated(params),
+            file_reader.get_generated({"hidden_states_path": path}),
+        )
+        assert set(got) == {"hidden_states", "token_ids"} and got["hidden_states"].dtype == (
+            torch.bfloat16
+        )
+        assert same_bits(got["hidden_states"], want["hidden_states"])
+        assert torch.equal(got["token_ids"], want["token_ids"])
+        err = (got["hidden_states"].float() - mc_eng.expected(rid, lengths[rid]).float()).abs()
+        assert err.max() <= 0.07 * mc_eng.expected(rid, lengths[rid]).float().abs().max()
+        fp8_reader.delete(params["handle"])
+    mc_eng.worker.shutdown()
+
+
+TRAINER = """
+import argparse, json, sys
+import vllm_gdn_hs.train as ours
+ours.register()  # what python -m vllm_gdn_hs.train does before speculators' config loads
+from hs_connectors.transfer import HiddenStatesBackend
+from speculators.train.config import TrainConfig
+import torch
+argv, params, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())  # as speculators' main
+transfer = HiddenStatesBackend.registry[args.hidden_states_backend].from_train_args(
+    args, args.data_path
+)
+transfer.setup()
+sample = transfer.get_generated(params)
+torch.save({"type": type(transfer).__name__, "vllm": "vllm" in sys.modules, **sample}, out)
+"""
+
+
+def test_speculators_trainer_reads_fp8_objects(hybrid_model, master, tmp_path):
+    """speculators' own training config, in a fresh interpreter with vllm_gdn_hs.train's backend
+    registered first: ``--hidden-states-backend mooncake-fp8`` and the --mooncake-* options give
+    the reader speculators' main builds, and it returns the sample in bf16."""
+    import json
+    import subprocess
+
+    mc_eng = mooncake_engine(hybrid_model, tmp_path, master.address, fp8=True)
+    mc_eng.add(make_request("r", prompt(40), max_tokens=2))
+    mc_eng.until_finished("r")
+    argv = [
+        "--verifier-name-or-path", "/m", "--data-path", str(tmp_path), "--speculator-type",
+        "eagle3", "--hidden-states-backend", "mooncake-fp8", "--mooncake-master",
+        master.address, "--mooncake-global-segment-gib", "0", "--mooncake-local-buffer-gib",
+        "0.0625",
+    ]  # fmt: skip
+    out = tmp_path / "sample.pt"
+    env = {**os.environ, "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"}
+    run = subprocess.run(
+        [sys.executable, "-c", TRAINER, json.dumps(argv), json.dumps(mc_eng.params("r")), out],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(out)
+    assert got["type"] == "MooncakeFP8Transfer" and got["hidden_states"].dtype == torch.bfloat16
+    assert not got["vllm"]  # a trainer host needs no vLLM
+    assert got["token_ids"].tolist() == mc_eng.tokens["r"]
+    want = mc_eng.expected("r", 40).float()
+    assert (got["hidden_states"].float() - want).abs().max() <= 0.07 * want.abs().max()
     mc_eng.worker.shutdown()
 
 
@@ -401,27 +495,37 @@ def test_request_ids_and_params_from_the_network(hybrid_model, master, tmp_path)
 _ = harness  # the CPU engine (imported for its side effect through test_hostile)
 
 
-def test_the_benchmarks_store_takes_every_object(tmp_path):
-    """benchmarks/mooncake_side.py (the bench's mooncake variant): its own master, the
-    connector's store writing into it, and the trainer's side counting and removing."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["mooncake", "mooncake-fp8"])
+def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
+    """benchmarks/mooncake_side.py (the bench's mooncake variants): its own master, the
+    connector's store writing into it, and the trainer's side counting, reading (fp8: in bf16,
+    with vllm_gdn_hs.train's reader) and removing."""
     import types
+
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
     require_mooncake()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from mooncake_side import LocalStore
 
-    local = LocalStore(str(tmp_path / "master.log"), segment_gib=1 / 16)
+    local = LocalStore(str(tmp_path / "master.log"), segment_gib=1 / 16, fp8=fp8)
     store = mooncake_store.MooncakeStore(MooncakeOptions(**local.options()))
     try:
         outs, total = [], 0
         for i, n in enumerate((5, 40, 1)):
             key = f"r{i}-bench"
-            store.write(key, torch.randn(n, 2, 8).bfloat16(), torch.arange(n))
-            params = mooncake_store.manifest(key, n, 2, 8, torch.bfloat16)
+            rows, scales = torch.randn(n, 2, 8).bfloat16(), None
+            if fp8:
+                rows, scales = quantize_tensor_to_fp8(rows)
+            store.write(key, rows, torch.arange(n), scales)
+            params = mooncake_store.manifest(key, n, 2, 8, torch.bfloat16, fp8=fp8)
             total += params["metadata"]["total_aligned_bytes"]
             outs.append(types.SimpleNamespace(kv_transfer_params=params))
         ready_s, nbytes, count, read_s = local.take_all(outs, timeout=10, read=True)
         assert (nbytes, count) == (total, 3) and ready_s < 10 and read_s > 0
+        assert type(local._reader()).__name__ == (
+            "MooncakeFP8Transfer" if fp8 else "MooncakeTransfer"
+        )
         assert store.client.batch_is_exist([f"r{i}-bench" for i in range(3)]) == [0, 0, 0]
         store.write_error("bad-bench", "boom")  # its reader fails at once, so does the bench
         bad = mooncake_store.manifest("bad-bench", 3, 2, 8, torch.bfloat16)

@@ -4,7 +4,8 @@ Run: python -m pytest tests/test_mooncake_launch.py -q (CPU, no network, no mast
 Checks the options, defaults and ``kv_connector_extra_config.mooncake`` against
 hs-connectors' own ``MooncakeBackend`` (what speculators' launcher builds), that vLLM's own
 ``vllm serve`` parser accepts the printed command, that the connector's config validates it,
-and that fp8 with mooncake is refused with the reason.
+and ``mooncake-fp8``: the same options with ``fp8``, as its trainer backend
+(``vllm_gdn_hs.train``) builds the server's config.
 """
 
 from __future__ import annotations
@@ -72,9 +73,22 @@ def test_defaults_are_speculators():
     assert {k: getattr(ours, k) for k in vars(their)} == vars(their)
 
 
-def test_fp8_with_mooncake_refused_with_the_reason():
-    with pytest.raises(ValueError, match="aminmax_cpu"):
-        HiddenStatesConfig(fp8=True, mooncake={})
+@pytest.mark.parametrize("argv", [[], ARGS], ids=["defaults", "all-options"])
+def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
+    """The launcher's ``mooncake-fp8``: speculators' mooncake options plus ``fp8``, which the
+    trainer side's backend (registered by vllm_gdn_hs.train) builds the same way."""
+    from vllm_gdn_hs.train import MooncakeFP8Backend
+
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.9.9.9")
+    cmd = dry_run(capsys, hybrid, "--hidden-states-backend", "mooncake-fp8", *argv)
+    kv = kv_config(cmd)
+    extra = kv["kv_connector_extra_config"]
+    assert extra == {**theirs(argv)["kv_connector_extra_config"], "fp8": True}
+    cfg = HiddenStatesConfig(**extra)
+    assert cfg.fp8 and cfg.mooncake is not None
+    assert harness.serve_parser().parse_args(cmd[4:]).kv_transfer_config is not None
+    trainer_side = MooncakeFP8Backend.build_kv_transfer_config(mooncake_parser().parse_args(argv))
+    assert trainer_side == {k: kv[k] for k in trainer_side}
 
 
 def test_mooncake_options_are_checked(capsys, hybrid):

@@ -4,7 +4,8 @@ each with its own launcher options, the check of its storage before vLLM starts,
 
 - ``file``: one safetensors file per request under ``--hidden-states-path``;
 - ``fp8``: the same files in speculators' fp8 format;
-- ``mooncake``: one object per request in a Mooncake store (``docs/mooncake.md``).
+- ``mooncake``: one object per request in a Mooncake store (``docs/mooncake.md``);
+- ``mooncake-fp8``: those objects in the fp8 layout, read by :mod:`vllm_gdn_hs.train`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm_gdn_hs.serve_args import LaunchError
 LAUNCHER_OPTIONS = {
     "shared_storage_path": "--hidden-states-path",
     "layer_ids": "--target-layer-ids",
-    "fp8": "--hidden-states-backend fp8",
+    "fp8": "--hidden-states-backend fp8 or mooncake-fp8",
     "mooncake": "--hidden-states-backend mooncake and its --mooncake-* options",
 }
 
@@ -131,8 +132,17 @@ class MooncakeBackend(FileBackend):
                 "protocol": args.mooncake_protocol,
                 "device_name": args.mooncake_device,
                 "num_writer_threads": args.mooncake_writer_threads,
-            }
+            },
+            **cls.options,
         }
+
+
+class MooncakeFp8Backend(MooncakeBackend):
+    """``mooncake`` with each object in the fp8 files' layout: half the bytes over the network
+    and in the store. Not one of speculators' backends: the trainers run
+    ``python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8`` (:mod:`.train`)."""
+
+    options = {"fp8": True}
 
 
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.
@@ -140,4 +150,5 @@ BACKENDS: dict[str, type[FileBackend]] = {
     "file": FileBackend,
     "fp8": Fp8Backend,
     "mooncake": MooncakeBackend,
+    "mooncake-fp8": MooncakeFp8Backend,
 }

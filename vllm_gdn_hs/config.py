@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from vllm_gdn_hs import CONNECTOR_NAME
-from vllm_gdn_hs.mooncake_config import FP8_REFUSED, MooncakeOptions
+from vllm_gdn_hs.mooncake_config import MooncakeOptions
 
 
 class HiddenStatesConfig(BaseModel):
@@ -66,8 +66,6 @@ class HiddenStatesConfig(BaseModel):
     def _mooncake(self) -> HiddenStatesConfig:
         if self.mooncake is None:
             return self
-        if self.fp8:
-            raise ValueError(FP8_REFUSED)
         if self.allow_custom_save_path:
             raise ValueError(
                 "allow_custom_save_path does not apply to the mooncake backend (it writes no "

@@ -45,11 +45,3 @@ class MooncakeOptions(BaseModel):
     def master(self) -> tuple[str, int]:
         host, _, port = self.master_server_address.rpartition(":")
         return host.strip("[]"), int(port)
-
-
-FP8_REFUSED = (
-    "fp8 with the mooncake backend is not supported: hs-connectors' MooncakeTransfer hands the "
-    "trainer float8 hidden_states and their scales as stored, and speculators' sample check "
-    "then fails on the CPU ('aminmax_cpu' is not implemented for Float8_e4m3fn). Use "
-    "--hidden-states-backend mooncake (bf16), or fp8 with a shared file system"
-)

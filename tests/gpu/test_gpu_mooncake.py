@@ -10,7 +10,8 @@ Starts its own mooncake_master on 127.0.0.1 (tests/mooncake_master.py) and kills
 Covers: the tiny hybrid's hidden states read back by hs-connectors' MooncakeTransfer, every
 sample within test_gpu_extract's bar against HF fp32, and equal, bit for bit, to the file
 backend's files where the two runs computed the same rows (recorded, not required: two
-engines may batch differently); the KV cache of the mooncake run equal to the file run's.
+engines may batch differently); the KV cache of the mooncake run equal to the file run's. The
+same in fp8 (mooncake-fp8 against fp8 files).
 Set VLLM_GDN_HS_RESULTS=/path/results.json to keep the figures.
 """
 
@@ -61,16 +62,20 @@ def _kv_tokens(text: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
-def test_hybrid_mooncake_accuracy_and_kv_cache(models, reference, master, tmp_path, capfd):  # noqa: F811
+@pytest.mark.parametrize("fp8", [False, True], ids=["mooncake", "mooncake-fp8"])
+def test_hybrid_mooncake_accuracy_and_kv_cache(models, reference, master, tmp_path, capfd, fp8):  # noqa: F811
+    """mooncake-fp8: the objects as stored (fp8 rows and scales) are judged as fp8 files are,
+    and compared with the fp8 file backend's files."""
     prompts = BASE + MANY[:20]
     files, samples, kv = {}, {}, {}
-    with engine(models["hybrid"], "hybrid", str(tmp_path / "files")) as llm:
+    fmt = {"fp8": True} if fp8 else {}
+    with engine(models["hybrid"], "hybrid", str(tmp_path / "files"), options=fmt or None) as llm:
         outs = _generate(llm, prompts)
         files = [load_hidden_states(o.kv_transfer_params["hidden_states_path"]) for o in outs]
     log = capfd.readouterr()
     kv["file"] = _kv_tokens(log.out + log.err)
     transfer = reader(master.address)
-    options = mooncake_options(master)
+    options = {**mooncake_options(master), **fmt}
     with engine(models["hybrid"], "hybrid", str(tmp_path / "mc"), options=options) as llm:
         outs = _generate(llm, prompts)
         for o in outs:
@@ -91,15 +96,17 @@ def test_hybrid_mooncake_accuracy_and_kv_cache(models, reference, master, tmp_pa
         if result["problems"]:
             failed.append(f"prompt {i} ({len(prompt)} tokens): {result['problems']}")
         want = files[i]["hidden_states"]
-        same += torch.equal(data["hidden_states"].view(torch.int16), want.view(torch.int16))
+        bits = torch.uint8 if fp8 else torch.int16
+        same += torch.equal(data["hidden_states"].view(bits), want.view(bits))
     pooled = reference["hybrid"].pooled()
-    RESULTS["hybrid_mooncake"] = {
+    RESULTS["hybrid_mooncake" + ("_fp8" if fp8 else "")] = {
         "samples": len(prompts),
         "bit_equal_to_file_backend": same,
         "kv_cache_tokens": kv,
         "pooled_problems": pooled["problems"],
     }
-    print(f"\nmooncake: {same}/{len(prompts)} bit-equal to the file backend; KV tokens {kv}")
+    name = "mooncake fp8" if fp8 else "mooncake"
+    print(f"\n{name}: {same}/{len(prompts)} bit-equal to the file backend; KV tokens {kv}")
     assert not failed, "\n".join(failed[:10])
     assert not pooled["problems"], pooled["problems"]
     assert kv["file"] and kv["mooncake"] == kv["file"]

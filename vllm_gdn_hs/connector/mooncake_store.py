@@ -30,6 +30,7 @@ import threading
 import time
 
 import torch
+from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
@@ -66,15 +67,20 @@ class KeyMaker:
         return f"{_sanitize_key(request_id)[:_MAX_KEY_STEM]}-{self.tag}{self.count:x}"
 
 
-def manifest(key, num_tokens, num_layers, hidden, dtype, include_output_tokens=False) -> dict:
+def manifest(
+    key, num_tokens, num_layers, hidden, dtype, include_output_tokens=False, fp8=False
+) -> dict:
     """hs-connectors' v1 transfer manifest for one request's object (as its connector builds
-    it in ``request_finished``), with its ``packed_layout``."""
-    tensors, total = packed_layout(
-        {
-            "hidden_states": ([num_tokens, num_layers, hidden], dtype),
-            "token_ids": ([num_tokens], torch.int64),
+    it in ``request_finished``), with its ``packed_layout``. ``fp8``: ``hidden_states`` in
+    float8_e4m3fn and one fp32 scale per token (``hidden_states_scales`` [T, 1, 1]), the fp8
+    file's tensors (``dtype`` is then ignored)."""
+    layout = {"hidden_states": ([num_tokens, num_layers, hidden], dtype)}
+    if fp8:
+        layout = {
+            "hidden_states": ([num_tokens, num_layers, hidden], torch.float8_e4m3fn),
+            SCALES_KEY: ([num_tokens, 1, 1], torch.float32),
         }
-    )
+    tensors, total = packed_layout({**layout, "token_ids": ([num_tokens], torch.int64)})
     return {
         "handle": key,
         "version": VERSION,
@@ -158,19 +164,28 @@ class MooncakeStore:
         )
 
     # -- the object --------------------------------------------------------------------
-    def write(self, key: str, hidden_states: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Put one request's object, waiting while the store is full; MooncakeError else."""
+    def write(
+        self,
+        key: str,
+        hidden_states: torch.Tensor,
+        token_ids: torch.Tensor,
+        scales: torch.Tensor | None = None,
+    ) -> None:
+        """Put one request's object, waiting while the store is full; MooncakeError else.
+        ``scales``: fp8 rows' [T, 1, 1] fp32 scales."""
         hidden_states = hidden_states.contiguous()
         n, num_layers, hidden = hidden_states.shape
-        spec = manifest(key, n, num_layers, hidden, hidden_states.dtype)
+        fp8 = scales is not None
+        spec = manifest(key, n, num_layers, hidden, hidden_states.dtype, fp8=fp8)
         total = spec["metadata"]["total_aligned_bytes"]
-        ids = spec["tensors"]["token_ids"]
         head = spec["tensors"]["hidden_states"]["nbytes"]
-        # The rows go as they lie in the host buffer; the token ids, with the padding
-        # around them, as a second small part: no copy of the rows.
+        # The rows go as they lie in the host buffer; the scales and token ids, with the
+        # padding around them, as a second small part: no copy of the rows.
         tail = torch.zeros(total - head, dtype=torch.uint8)
-        at = ids["offset"] - head
-        tail[at : at + ids["nbytes"]].view(torch.int64).copy_(token_ids)
+        small = {"token_ids": token_ids, **({SCALES_KEY: scales} if fp8 else {})}
+        for name, tensor in small.items():
+            at, size = spec["tensors"][name]["offset"] - head, spec["tensors"][name]["nbytes"]
+            tail[at : at + size].view(tensor.dtype).copy_(tensor.reshape(-1))
         parts = [(hidden_states.data_ptr(), head), (tail.data_ptr(), tail.numel())]
         registered = []
         try:

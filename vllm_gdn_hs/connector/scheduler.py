@@ -50,11 +50,13 @@ class HybridHiddenStatesConnectorScheduler:
             from vllm_gdn_hs.connector.mooncake_store import KeyMaker
 
             self.keys, self.sample = KeyMaker(), (len(layer_ids), hidden, dtype)
+            self.fp8 = cfg.fp8
             logger.info(
-                "%s: layers %s -> Mooncake store at %s",
+                "%s: layers %s -> Mooncake store at %s%s",
                 CONNECTOR_NAME,
                 layer_ids,
                 cfg.mooncake.master_server_address,
+                " (fp8)" if cfg.fp8 else "",
             )
             return
         if why := files.check_storage_path(self.storage_path):
@@ -163,5 +165,5 @@ class HybridHiddenStatesConnectorScheduler:
         if self.keys is not None:  # hs-connectors' v1 manifest; path is the key
             from vllm_gdn_hs.connector.mooncake_store import manifest
 
-            return manifest(path, len(token_ids), *self.sample, include_output_tokens)
+            return manifest(path, len(token_ids), *self.sample, include_output_tokens, fp8=self.fp8)
         return {"hidden_states_path": path}

@@ -130,7 +130,8 @@ class FileStorage(HiddenStatesStorage):
 class MooncakeStorage(HiddenStatesStorage):
     """The connector's storage backend for ``cfg.mooncake``: ``request.path`` is the object's
     key (the scheduler side made it, :class:`KeyMaker`); no lock (the reader waits for the
-    object or its error object); no fp8 (refused in the config)."""
+    object or its error object); fp8 objects carry their scales (read by
+    :mod:`vllm_gdn_hs.train`'s ``mooncake-fp8`` backend)."""
 
     unit = "objects"
 
@@ -146,7 +147,7 @@ class MooncakeStorage(HiddenStatesStorage):
     def write(self, request: StoredRequest, hidden_states, token_ids, scales) -> None:
         request.begin_write()
         try:
-            self.store.write(request.path, hidden_states, token_ids)
+            self.store.write(request.path, hidden_states, token_ids, scales)
         except BaseException as e:
             self.store.write_error(request.path, str(e))
             raise

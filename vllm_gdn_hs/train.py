@@ -1,0 +1,83 @@
+"""``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
+
+``vllm-gdn-hs launch --hidden-states-backend mooncake-fp8`` puts each request's rows into the
+Mooncake store as the fp8 files hold them: float8_e4m3fn with one fp32 scale per token, half
+the bytes over the network and in the store's memory. hs-connectors' ``MooncakeTransfer``
+(speculators' ``mooncake`` backend) returns such an object as stored, and speculators cannot
+train on float8; :class:`MooncakeFP8Transfer` adds the dequantization of hs-connectors' own
+``FP8Transfer``, so the trainer sees the bf16 layout, as with fp8 files.
+
+speculators takes its backends from hs-connectors' registry when its training config is first
+imported, and that registry has no plugin entry point: this module registers ``mooncake-fp8``
+first, then runs speculators' own ``train`` with every argument unchanged::
+
+    python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
+    torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train
+
+It needs no vLLM: the trainer hosts import only torch, hs-connectors and speculators.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from hs_connectors.transfer import (
+    FP8Transfer,
+    HiddenStatesBackend,
+    MooncakeBackend,
+    MooncakeTransfer,
+)
+
+from vllm_gdn_hs import CONNECTOR_NAME
+
+BACKEND = "mooncake-fp8"
+
+
+class MooncakeFP8Transfer(MooncakeTransfer):
+    """hs-connectors' Mooncake reader, then its fp8 file reader's dequantization (to bf16;
+    ``hidden_states_scales`` dropped). A bf16 object passes unchanged."""
+
+    dequantize_dtype = torch.bfloat16
+    _dequantize = FP8Transfer._dequantize
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        return self._dequantize(super().get_generated(hs_transfer_params))
+
+
+class MooncakeFP8Backend(MooncakeBackend):
+    """speculators' ``mooncake`` backend (the same ``--mooncake-*`` options) with fp8 objects."""
+
+    @staticmethod
+    def from_train_args(args: argparse.Namespace, data_path: str) -> MooncakeFP8Transfer:
+        return MooncakeFP8Transfer(MooncakeBackend.from_train_args(args, data_path).store)
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        """The server side: this package's connector (hs-connectors' has no fp8 objects)."""
+        config = MooncakeBackend.build_kv_transfer_config(args)
+        config.pop("kv_connector_module_path")
+        config["kv_connector"] = CONNECTOR_NAME
+        config["kv_connector_extra_config"]["fp8"] = True
+        return config
+
+
+def register() -> None:
+    """Add ``mooncake-fp8`` to hs-connectors' registry (once). speculators reads the registry's
+    options when ``speculators.train.config`` is first imported: call this before that."""
+    if BACKEND not in HiddenStatesBackend.registry:
+        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Backend)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``speculators train`` with ``argv`` (default: this command's arguments)."""
+    register()
+    from speculators.train.cli import main as train
+    from speculators.train.config import TrainConfig
+
+    train(TrainConfig.resolve(argv))
+
+
+if __name__ == "__main__":
+    main()
