@@ -755,11 +755,16 @@ def test_stats_reach_vllms_kv_connector_logging(storage):
     assert line.startswith("KV Transfer metrics: ") and "files=3" in line and "steps=2" in line
     assert f"bytes={3 * 2 * L * H * 2}" in line and "failed" not in line  # zeros left out
     w.close()
-    # A gauge is a value, not a change: the interval keeps the newest, even when it is 0.
+    # Gauges are values, not changes: aggregated, the newest is kept, even when it is 0; the
+    # log line leaves them out (with several engines logged together it would show one's).
+    stats = connector.build_kv_connector_stats({"files": 1, "writing": 2})
+    stats = stats.aggregate(connector.build_kv_connector_stats({"files": 2, "writing": 0}))
+    assert stats.data == {"files": 3, "writing": 0} and not stats.is_empty()
+    assert connector.build_kv_connector_stats({"writing": 0}).is_empty() is False
     vllm_log.observe({"files": 1, "writing": 2})
     vllm_log.observe({"files": 2, "writing": 0})
     vllm_log.log(lambda fmt, text: logged.append(fmt % text))
-    assert "files=3" in logged[-1] and "writing=0" in logged[-1], logged[-1]
+    assert "files=3" in logged[-1] and "writing" not in logged[-1], logged[-1]
 
 
 def scrape() -> dict[tuple[str, str], float]:

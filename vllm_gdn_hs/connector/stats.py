@@ -132,8 +132,13 @@ if KVConnectorStats is not None:
             return self
 
         def reduce(self) -> dict[str, int | float]:
+            """The log line's counters. Not the gauges: vLLM's aggregated logging of several
+            engines feeds one accumulator, where one engine's value would read as the total
+            (Prometheus has them per engine; the progress line has this engine's)."""
             return {
-                k: round(v, 3) if isinstance(v, float) else v for k, v in sorted(self.data.items())
+                k: round(v, 3) if isinstance(v, float) else v
+                for k, v in sorted(self.data.items())
+                if k not in WriterStats.GAUGES
             }
 
         def is_empty(self) -> bool:  # a gauge back at 0 is news
