@@ -495,6 +495,35 @@ def test_request_ids_and_params_from_the_network(hybrid_model, master, tmp_path)
 _ = harness  # the CPU engine (imported for its side effect through test_hostile)
 
 
+def test_odd_row_sizes_round_trip(master):
+    """Rows whose bytes are no multiple of 8 put the scales and token ids at odd offsets of the
+    object's tail; hs-connectors' reader still gets every tensor back bit for bit."""
+    from hs_connectors.fp8_utils import quantize_tensor_to_fp8
+
+    store = mooncake_store.MooncakeStore(MooncakeOptions(**options(master.address)))
+    transfer = reader(master.address)
+    try:
+        for i, (shape, fp8) in enumerate(
+            (((3, 1, 10), False), ((5, 3, 7), True), ((1, 1, 1), True))
+        ):
+            rows, scales = torch.randn(shape).bfloat16(), None
+            if fp8:
+                rows, scales = quantize_tensor_to_fp8(rows)
+            ids = torch.arange(100, 100 + shape[0])
+            store.write(f"odd{i}", rows, ids, scales)
+            got = transfer.get_generated(
+                mooncake_store.manifest(f"odd{i}", *shape, rows.dtype, fp8=fp8)
+            )
+            want = {"hidden_states": rows, "token_ids": ids}
+            if fp8:
+                want["hidden_states_scales"] = scales
+            assert set(got) == set(want)
+            for name, t in want.items():
+                assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), (shape, name)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["mooncake", "mooncake-fp8"])
 def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
     """benchmarks/mooncake_side.py (the bench's mooncake variants): its own master, the

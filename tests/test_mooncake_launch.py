@@ -91,6 +91,19 @@ def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
     assert trainer_side == {k: kv[k] for k in trainer_side}
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "mooncake-fp8"])
+def test_unreachable_master_named_before_vllm_starts(capsys, hybrid, backend):
+    """Without --dry-run the launcher checks the master first (the dry runs above reach
+    nothing: their 10.1.2.3 would time out) and names the address."""
+    from mooncake_master import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    rc = launch.main([hybrid, "--hidden-states-backend", backend, "--mooncake-master", address])
+    captured = capsys.readouterr()
+    assert rc == 2 and "Running command" not in captured.out
+    assert f"cannot reach the Mooncake master at {address}" in captured.err, captured.err
+
+
 def test_mooncake_options_are_checked(capsys, hybrid):
     err = fail(capsys, hybrid, "--hidden-states-backend", "mooncake", "--mooncake-master", "x")
     assert "mooncake.master_server_address" in err

@@ -115,6 +115,15 @@ class MooncakeBackend(FileBackend):
         Theirs.add_launch_args(parser)
 
     @classmethod
+    def check_storage(cls, args: argparse.Namespace) -> None:
+        """No folder; the master must answer before vLLM starts (not with --dry-run, which
+        needs no network)."""
+        if not args.dry_run:
+            from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+
+            check_master(MooncakeOptions(**cls.storage_options(args)["mooncake"]))
+
+    @classmethod
     def storage_options(cls, args: argparse.Namespace) -> dict:
         import socket
 

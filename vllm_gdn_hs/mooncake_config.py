@@ -9,9 +9,12 @@ The same object, with the same keys and meaning, as speculators' launcher puts t
 
 from __future__ import annotations
 
+import socket
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from vllm_gdn_hs import CONNECTOR_NAME
 
 GIB = 1024**3
 
@@ -45,3 +48,18 @@ class MooncakeOptions(BaseModel):
     def master(self) -> tuple[str, int]:
         host, _, port = self.master_server_address.rpartition(":")
         return host.strip("[]"), int(port)
+
+
+def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
+    """ValueError naming the address unless the master accepts a TCP connection (Mooncake's
+    own setup retries for about 90 s before it says only -1)."""
+    host, port = options.master()
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        raise ValueError(
+            f"{CONNECTOR_NAME}: cannot reach the Mooncake master at "
+            f"{options.master_server_address} ({e}): start mooncake_master there "
+            "(docs/mooncake.md), or pass its address with --mooncake-master "
+            "(kv_connector_extra_config.mooncake.master_server_address)"
+        ) from None

@@ -25,7 +25,6 @@ import contextlib
 import json
 import queue
 import secrets
-import socket
 import threading
 import time
 
@@ -34,7 +33,7 @@ from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.mooncake_config import MooncakeOptions
+from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
 
 logger = init_logger(__name__)
 
@@ -95,21 +94,6 @@ def manifest(
 
 class MooncakeError(RuntimeError):
     """A Mooncake call failed; the message names the call, the key and the status."""
-
-
-def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
-    """ValueError naming the address unless the master accepts a TCP connection (Mooncake's
-    own setup retries for about 90 s before it says only -1)."""
-    host, port = options.master()
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: cannot reach the Mooncake master at "
-            f"{options.master_server_address} ({e}): start mooncake_master there "
-            "(docs/mooncake.md), or pass its address with --mooncake-master "
-            "(kv_connector_extra_config.mooncake.master_server_address)"
-        ) from None
 
 
 class MooncakeStore:
@@ -185,7 +169,7 @@ class MooncakeStore:
         small = {"token_ids": token_ids, **({SCALES_KEY: scales} if fp8 else {})}
         for name, tensor in small.items():
             at, size = spec["tensors"][name]["offset"] - head, spec["tensors"][name]["nbytes"]
-            tail[at : at + size].view(tensor.dtype).copy_(tensor.reshape(-1))
+            tail[at : at + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         parts = [(hidden_states.data_ptr(), head), (tail.data_ptr(), tail.numel())]
         registered = []
         try:
