@@ -249,3 +249,30 @@ def test_doctor_host_memory_of_this_machine():
     ((item, value, problem),) = doctor.host_memory_checks()
     assert item == "host memory" and value.endswith(("available", "GB more)")), value
     assert "host memory" in dict((r[0], r[1]) for r in checks())
+
+
+def test_doctor_mooncake_master(tmp_path):
+    """doctor --mooncake-master: the Mooncake wheel loads here and a real mooncake_master on
+    127.0.0.1 answers; a port where none listens, and an address without a port, FAIL with
+    the fix (the CLI exits 1)."""
+    from mooncake_master import Master, free_port, require_mooncake
+
+    master = Master(require_mooncake(), str(tmp_path))
+    master.start()
+    try:
+        r = _cli("doctor", "--mooncake-master", master.address)
+    finally:
+        master.kill()
+    rows = {
+        m[2]: (m[1], m[3])
+        for line in r.stdout.splitlines()
+        if (m := re.match(r"(ok|FAIL)\s+(.+?)\s{2,}(.*)", line))
+    }
+    assert rows["mooncake"][0] == "ok" and "mooncake-transfer-engine" in rows["mooncake"][1]
+    assert rows["mooncake master"] == ("ok", f"{master.address} answers")
+    dead = f"127.0.0.1:{free_port()}"
+    r = _cli("doctor", "--mooncake-master", dead)
+    assert r.returncode == 1
+    assert f"cannot reach the Mooncake master at {dead}" in r.stdout, r.stdout
+    r = _cli("doctor", "--mooncake-master", "10.0.0.1")
+    assert r.returncode == 1 and "fix mooncake master: String should match pattern" in r.stdout

@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
         "--hidden-states-path",
         help="the folder files will go to: writable? free space? write speed (writes 1 GiB)?",
     )
+    doc.add_argument(
+        "--mooncake-master",
+        metavar="HOST:PORT",
+        help="for the mooncake backends: does a Mooncake wheel load here, and does the master "
+        "answer? (on every server and trainer host)",
+    )
     sub.add_parser(
         "launch",
         help="start vllm serve for hidden-state extraction "
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from vllm_gdn_hs.doctor import run_doctor
 
-        return run_doctor(args.model, args.hidden_states_path)
+        return run_doctor(args.model, args.hidden_states_path, args.mooncake_master)
     if args.command == "check":
         from vllm_gdn_hs.check import run_check
 

@@ -148,6 +148,42 @@ def host_memory_checks(
     return [("host memory", value, problem)]
 
 
+# hs-connectors' Mooncake wheels: each installs the package "mooncake"
+MOONCAKE_WHEELS = (
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine",
+)
+
+
+def mooncake_checks(master: str) -> list[tuple[str, str, str | None]]:
+    """The mooncake backends' needs on this host: a Mooncake wheel that loads, and the master
+    at ``master`` (host:port) answering. For the servers and the trainers alike."""
+    from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+
+    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := _version(d))]
+    problem = None
+    if not wheels:
+        problem = (
+            "pip install mooncake-transfer-engine-non-cuda (CPU hosts; GPU hosts: the "
+            "-cuda13 wheel for vLLM's CUDA 13 builds, docs/mooncake.md)"
+        )
+    else:
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            problem = f"{e}: apt-get install -y libibverbs1 (Debian/Ubuntu)"
+    rows = [("mooncake", ", ".join(wheels) or "not installed", problem)]
+    try:
+        options = MooncakeOptions(master_server_address=master)
+        check_master(options)
+        rows.append(("mooncake master", f"{master} answers", None))
+    except ValueError as e:  # a malformed address, or none listening
+        msg = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+        rows.append(("mooncake master", master, msg))
+    return rows
+
+
 def model_runner() -> str:
     """Which of vLLM's GPU model runners extraction runs on, on the installed release."""
     from vllm.config import VllmConfig
@@ -162,7 +198,9 @@ def model_runner() -> str:
 
 
 def checks(
-    model: str | None = None, hidden_states_path: str | None = None
+    model: str | None = None,
+    hidden_states_path: str | None = None,
+    mooncake_master: str | None = None,
 ) -> list[tuple[str, str, str | None]]:
     """(item, value, problem-or-None) rows."""
     from vllm_gdn_hs.version import (
@@ -247,11 +285,17 @@ def checks(
         )
     if hidden_states_path:
         rows += storage_checks(hidden_states_path, info.hidden_size if info else None)
+    if mooncake_master:
+        rows += mooncake_checks(mooncake_master)
     return rows
 
 
-def run_doctor(model: str | None = None, hidden_states_path: str | None = None) -> int:
-    rows = checks(model, hidden_states_path)
+def run_doctor(
+    model: str | None = None,
+    hidden_states_path: str | None = None,
+    mooncake_master: str | None = None,
+) -> int:
+    rows = checks(model, hidden_states_path, mooncake_master)
     width = max(len(r[0]) for r in rows)
     for item, value, problem in rows:
         mark = "FAIL" if problem else "ok"
