@@ -127,3 +127,20 @@ def test_storage_is_not_needed(hybrid_model):
 
 
 _ = argparse
+
+
+def test_train_module_is_speculators_train_with_mooncake_fp8():
+    """``python -m vllm_gdn_hs.train`` (as torchrun -m runs it) is speculators' own train
+    command, its --hidden-states-backend choices with mooncake-fp8 added."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_gdn_hs.train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--hidden-states-backend {file,fp8,mooncake,mooncake-fp8}" in run.stdout
+    assert "--verifier-name-or-path" in run.stdout and "--mooncake-master" in run.stdout
