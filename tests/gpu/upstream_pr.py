@@ -6,6 +6,7 @@ plus the patch, with the PR's own AuxHiddenStatesConnector.
 
     python tests/gpu/upstream_pr.py accuracy OUT.json   # tiny hybrid + dense, eager + graphs
     python tests/gpu/upstream_pr.py bench OUT.json      # 27B shape: plain, example, aux
+    python tests/gpu/upstream_pr.py tp OUT.json         # two GPUs: TP=2 against TP=1
 
 accuracy: per model (tiny Qwen3.5 hybrid, tiny Qwen3 dense; tests/tiny_models.py), the PR's
 connector and ExampleHiddenStatesConnector, each in eager and in CUDA-graph mode, each asked as
@@ -14,6 +15,14 @@ include_output_tokens. Each run is judged against HF transformers fp32 on the sa
 (vllm_gdn_hs.reference: per layer, pooled over the run's files, within 1.1 x HF bf16's own
 error), and the PR's files against Example's of the same mode, row by row over the tokens both
 hold.
+
+tp: the PR's connector on the tiny hybrid with CUDA graphs, at tensor parallel size 1 and 2 (two
+GPUs), the accuracy requests. Each run is judged against HF fp32 as above; every request gets
+one complete file and the folder holds nothing else (only rank 0 writes: a second writer would
+wait on rank 0's lock and stall the engine, or leave more files); TP=2's files carry TP=1's
+token ids over the prompt and lie within 2.2 x HF bf16's error of TP=1's (each run is within
+1.1 x of fp32, and TP=2 splits every matmul and adds an all-reduce, so the two round
+differently).
 
 bench: Qwen3.6-27B shape, dummy weights, CUDA graphs, vLLM 0.34.0's defaults (the extensible
 KV cache sized after warm-up): KV cache tokens, the sizing lines, prompt tokens/s. One fresh
@@ -61,11 +70,14 @@ def _save(path: str, results: dict) -> None:
     os.replace(tmp, path)
 
 
-def engine_kwargs(model: str, kind: str, connector: str | None, storage: str, eager: bool):
+def engine_kwargs(
+    model: str, kind: str, connector: str | None, storage: str, eager: bool, tp: int = 1
+):
     from vllm_gdn_hs.config import extraction_config
 
     kw = dict(
         model=model,
+        tensor_parallel_size=tp,
         skip_tokenizer_init=True,
         max_model_len=2048,
         max_num_batched_tokens=512,  # the 700-token prompt is chunked
@@ -98,13 +110,13 @@ def _generate(llm, prompts, outputs: bool):
     return [(o.kv_transfer_params or {}).get("hidden_states_path") for o in outs]
 
 
-def run_engine(model, kind, connector, storage, eager) -> dict:
+def run_engine(model, kind, connector, storage, eager, tp: int = 1) -> dict:
     """Both request sets through one engine; the file paths (None: no path answered)."""
     import torch
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(model, kind, connector, storage, eager))
+    llm = LLM(**engine_kwargs(model, kind, connector, storage, eager, tp))
     started = time.perf_counter() - t0
     try:
         config = llm.llm_engine.vllm_config
@@ -168,10 +180,10 @@ def judge_vs_hf(reference, paths: list, prompts: list, outputs: bool) -> tuple[d
 def compare_files(
     ours: list, theirs: list, prompts: list, tolerance: list[float]
 ) -> tuple[dict, list[str]]:
-    """The PR's files against Example's for the same prompts, over the tokens both hold (at
-    least the prompt; generated tokens may part after a near-tie): per layer the pooled
-    relative difference, which must stay within HF bf16's own error against fp32
-    (``tolerance``)."""
+    """One run's files against another's for the same prompts (the PR's against Example's, or
+    TP=2's against TP=1's), over the tokens both hold (at least the prompt; generated tokens
+    may part after a near-tie): per layer the pooled relative difference, which must stay
+    within ``tolerance`` (HF bf16's own error against fp32, or a multiple of it)."""
     from vllm_gdn_hs.files import hidden_states_of, load_hidden_states
 
     num = den = None
@@ -179,18 +191,18 @@ def compare_files(
     problems = []
     for a, b, prompt in zip(ours, theirs, prompts, strict=True):
         if not (a and b):
-            problems.append(f"missing path: ours {a}, example {b}")
+            problems.append(f"missing path: {a}, the other run's {b}")
             continue
         da, db = load_hidden_states(a, timeout=60), load_hidden_states(b, timeout=60)
         ta, tb = da["token_ids"].tolist(), db["token_ids"].tolist()
         n = min(len(ta), len(tb))
         n = next((i for i in range(n) if ta[i] != tb[i]), n)
         if n < len(prompt):
-            problems.append(f"{a}: token_ids part from example's at {n}, in the prompt")
+            problems.append(f"{a}: token_ids part from the other run's at {n}, in the prompt")
             continue
         ha, hb = hidden_states_of(da)[:n].float(), hidden_states_of(db)[:n].float()
         if ha.shape != hb.shape:
-            problems.append(f"{a}: shape {tuple(ha.shape)} vs example {tuple(hb.shape)}")
+            problems.append(f"{a}: shape {tuple(ha.shape)} vs the other run's {tuple(hb.shape)}")
             continue
         d = (ha - hb).double().pow(2).sum(dim=(0, 2))
         r = hb.double().pow(2).sum(dim=(0, 2))
@@ -201,7 +213,7 @@ def compare_files(
         return {"rows": 0}, problems or ["nothing compared"]
     diff = (num / den.clamp(min=1e-30)).sqrt().tolist()
     problems += [
-        f"layer {i}: pooled difference {x:.5f} from example's files over HF bf16's error {t:.5f}"
+        f"layer {i}: pooled difference {x:.5f} from the other run's files over {t:.5f}"
         for i, x, t in zip(range(len(diff)), diff, tolerance, strict=True)
         if not x <= max(t, 1e-3)
     ]
@@ -281,6 +293,70 @@ def accuracy(out_path: str) -> int:
     results["passed"] = not failed
     _save(out_path, results)
     print(f"[upstream-pr] accuracy: {'PASSED' if not failed else 'FAILED: ' + str(failed)}")
+    return 0 if not failed else 1
+
+
+def tensor_parallel(out_path: str) -> int:
+    """TP=2 against TP=1 with the PR's connector (the module's docstring says what is judged)."""
+    import torch
+    from tiny_models import build_tiny_hybrid
+
+    from vllm_gdn_hs.reference import HFReference
+
+    if torch.cuda.device_count() < 2:
+        print(f"[upstream-pr] tp: needs two GPUs, {torch.cuda.device_count()} visible")
+        return 2
+    results: dict = {"layers": LAYERS["hybrid"], "prompts": len(PROMPTS)}
+    failed = []
+    root = tempfile.mkdtemp(prefix="upstream-pr-tp-")
+    model = build_tiny_hybrid(os.path.join(root, "hybrid"))
+    reference = HFReference(model, LAYERS["hybrid"], batch_tokens=32768)
+    reference.precompute(PROMPTS)
+    runs = {}
+    for tp in (1, 2):
+        key, storage = f"tp{tp}", os.path.join(root, f"tp{tp}")
+        try:
+            runs[tp] = run_engine(model, "hybrid", AUX, storage, eager=False, tp=tp)
+        except Exception as e:  # TP=1 alone still tells something
+            results[key] = {"error": f"{type(e).__name__}: {e}"}
+            failed.append(key)
+            _save(out_path, results)
+            continue
+        results[key] = dict(runs[tp]["info"])
+        for requests, prompts in (("prompt", PROMPTS), ("outputs", WITH_OUTPUTS)):
+            paths = runs[tp]["paths"][requests]
+            figures, problems = judge_vs_hf(reference, paths, prompts, requests == "outputs")
+            results[key][f"{requests}_vs_hf"] = figures
+            if problems:
+                results[key][f"{requests}_problems"] = problems[:10]
+                failed.append(f"{key} {requests} vs HF")
+        # Read, so each lock was taken and removed: what is left is the answered files.
+        answered = {os.path.basename(p) for ps in runs[tp]["paths"].values() for p in ps if p}
+        others = sorted(set(os.listdir(storage)) - answered)
+        results[key]["files"] = len(answered)
+        if others or len(answered) != len(PROMPTS) + len(WITH_OUTPUTS):
+            results[key]["other_entries"] = others[:10]
+            failed.append(f"{key}: {len(answered)} files answered, {len(others)} other entries")
+        print(f"[upstream-pr] tp {key}: {json.dumps(results[key])[:600]}", flush=True)
+        _save(out_path, results)
+    if len(runs) == 2:
+        results["tp2_vs_tp1"] = {}
+        for requests, prompts in (("prompt", PROMPTS), ("outputs", WITH_OUTPUTS)):
+            bf16 = results["tp1"][f"{requests}_vs_hf"].get("pooled_hf_bf16_vs_fp32", [])
+            tolerance = [2.2 * x for x in bf16]
+            figures, problems = compare_files(
+                runs[2]["paths"][requests], runs[1]["paths"][requests], prompts, tolerance
+            )
+            results["tp2_vs_tp1"][requests] = figures
+            if problems:
+                results["tp2_vs_tp1"][f"{requests}_problems"] = problems[:10]
+                failed.append(f"tp2_vs_tp1 {requests}")
+        print(f"[upstream-pr] tp2_vs_tp1: {json.dumps(results['tp2_vs_tp1'])}", flush=True)
+    reference.close()
+    results["failed"] = failed
+    results["passed"] = not failed
+    _save(out_path, results)
+    print(f"[upstream-pr] tp: {'PASSED' if not failed else 'FAILED: ' + str(failed)}")
     return 0 if not failed else 1
 
 
@@ -433,6 +509,8 @@ def main(argv: list[str]) -> int:
         return accuracy(argv[1])
     if argv[:1] == ["bench"] and len(argv) == 2:
         return bench(argv[1])
+    if argv[:1] == ["tp"] and len(argv) == 2:
+        return tensor_parallel(argv[1])
     if argv[:1] == ["bench-one"] and len(argv) == 3:
         return bench_one(argv[1], argv[2])
     print(__doc__, file=sys.stderr)

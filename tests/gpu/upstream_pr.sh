@@ -11,8 +11,10 @@
 #      against HF fp32/bf16 and against ExampleHiddenStatesConnector's files;
 #   4. unless UPSTREAM_PR_BENCH=0: 27B shape, KV cache tokens + prompt tok/s of plain vLLM,
 #      the PR and ExampleHiddenStatesConnector, CUDA graphs (UPSTREAM_PR_WORKLOADS,
-#      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant).
-# UPSTREAM_PR_PARTS (default unit,accuracy,bench) picks steps 2-4, e.g. to run the bench in a
+#      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant);
+#   5. only when UPSTREAM_PR_PARTS names tp, on two GPUs (tests/gpu/upstream_pr.py tp): the
+#      tiny hybrid at TP=2 against TP=1, each against HF fp32 (TP_TIMEOUT, seconds).
+# UPSTREAM_PR_PARTS (default unit,accuracy,bench) picks steps 2-5, e.g. to run the bench in a
 # second call on the same machine. Writes $OUT/upstream-pr.json (the summary) and at most 7
 # logs. Usage:
 #   OUT=$OUT bash tests/gpu/upstream_pr.sh
@@ -50,7 +52,7 @@ APPLY=$?
 rm -f "$OUT/upstream-pr-apply.log"
 PARTS=",${UPSTREAM_PR_PARTS:-unit,accuracy,bench},"
 [ "${UPSTREAM_PR_BENCH:-1}" = 0 ] && PARTS=${PARTS/,bench,/,}
-UNIT=skipped ACC=skipped BENCH=skipped
+UNIT=skipped ACC=skipped BENCH=skipped TP=skipped
 # The patched copy first, then the rest of vLLM's dependencies, then this checkout.
 export PYTHONPATH=$PR_SITE:$SITE:$REPO:$REPO/tests:$REPO/benchmarks
 
@@ -82,9 +84,17 @@ if [[ $PARTS == *,bench,* ]]; then
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-bench.log" | cut -c1-400
 fi
 
-python3 - "$SUMMARY" "$OUT" "$UNIT" "$ACC" "$BENCH" <<'EOF'
+if [[ $PARTS == *,tp,* ]]; then
+    step "5. tensor parallelism: TP=2 against TP=1, two GPUs"
+    timeout "${TP_TIMEOUT:-600}" python3 tests/gpu/upstream_pr.py tp "$OUT/tp.json" \
+        >"$OUT/upstream-pr-tp.log" 2>&1
+    TP=$?
+    grep '^\[upstream-pr\]' "$OUT/upstream-pr-tp.log" | cut -c1-400
+fi
+
+python3 - "$SUMMARY" "$OUT" "$UNIT" "$ACC" "$BENCH" "$TP" <<'EOF'
 import json, os, re, subprocess, sys
-summary, out, unit, acc, bench = sys.argv[1:]
+summary, out, unit, acc, bench, tp = sys.argv[1:]
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
@@ -101,9 +111,10 @@ result = {
     "unit_tests": {"rc": num(unit), "summary": (re.findall(r"^\d+ passed.*$", unit_log, re.M) or [unit_log[-300:]])[-1]},
     "accuracy": {"rc": num(acc), **(load("accuracy.json") or {})},
     "bench": {"rc": num(bench), **(load("bench.json") or {})},
+    "tp": {"rc": num(tp), **(load("tp.json") or {})},
 }
 json.dump(result, open(summary, "w"), indent=1)
 EOF
-rm -f "$OUT/accuracy.json" "$OUT/bench.json"
-step "done: unit=$UNIT accuracy=$ACC bench=$BENCH; summary in $SUMMARY"
-for rc in "$UNIT" "$ACC" "$BENCH"; do [ "$rc" = 0 ] || [ "$rc" = skipped ] || exit 1; done
+rm -f "$OUT/accuracy.json" "$OUT/bench.json" "$OUT/tp.json"
+step "done: unit=$UNIT accuracy=$ACC bench=$BENCH tp=$TP; summary in $SUMMARY"
+for rc in "$UNIT" "$ACC" "$BENCH" "$TP"; do [ "$rc" = 0 ] || [ "$rc" = skipped ] || exit 1; done
