@@ -230,7 +230,17 @@ def accuracy(out_path: str) -> int:
 
     from vllm_gdn_hs.reference import HFReference
 
-    results: dict = {"layers": LAYERS, "prompts": len(PROMPTS), "with_outputs": len(WITH_OUTPUTS)}
+    # UPSTREAM_PR_MODES: which of eager and cudagraph to run (both by default).
+    modes = os.environ.get("UPSTREAM_PR_MODES", "eager,cudagraph").split(",")
+    if not set(modes) <= {"eager", "cudagraph"}:
+        print(f"[upstream-pr] accuracy: UPSTREAM_PR_MODES={modes}: eager and/or cudagraph")
+        return 2
+    results: dict = {
+        "layers": LAYERS,
+        "prompts": len(PROMPTS),
+        "with_outputs": len(WITH_OUTPUTS),
+        "modes": modes,
+    }
     failed = []
     root = tempfile.mkdtemp(prefix="upstream-pr-")
     builders = {"hybrid": build_tiny_hybrid, "dense": build_tiny_dense}
@@ -245,6 +255,8 @@ def accuracy(out_path: str) -> int:
             ("aux_cudagraph", AUX, False),
             ("example_cudagraph", EXAMPLE, False),
         ):
+            if name.split("_")[1] not in modes:
+                continue
             key = f"{kind}_{name}"
             try:
                 runs[name] = run_engine(model, kind, connector, os.path.join(root, key), eager)
