@@ -19,7 +19,7 @@ hold.
 tp: the PR's connector on the tiny hybrid with CUDA graphs, at tensor parallel size 1 and 2 (two
 GPUs), the accuracy requests. Each run is judged against HF fp32 as above; every request gets
 one complete file and the folder holds nothing else (only rank 0 writes: a second writer would
-wait on rank 0's lock and stall the engine, or leave more files); TP=2's files carry TP=1's
+fail on rank 0's locks, which upstream_pr.sh finds in the log); TP=2's files carry TP=1's
 token ids over the prompt and lie within 2.2 x HF bf16's error of TP=1's (each run is within
 1.1 x of fp32, and TP=2 splits every matmul and adds an all-reduce, so the two round
 differently).
@@ -48,7 +48,8 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmark
 AUX, EXAMPLE = "AuxHiddenStatesConnector", "ExampleHiddenStatesConnector"
 # Ascending: the order in which the model returns aux states and both connectors store them.
 LAYERS = {"hybrid": [1, 3, 4, 6, 8], "dense": [1, 2, 4, 8]}
-OUTPUT_TOKENS = 16
+# More decode steps than the PR's COMPACT_AFTER_VIEWS (32): those requests' rows get compacted.
+OUTPUT_TOKENS = 40
 
 
 def _prompts(seed: int, lens: list[int]) -> list[list[int]]:

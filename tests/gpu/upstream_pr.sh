@@ -31,6 +31,13 @@ PATCHES=(patches/upstream/*.patch)
 export PATH=$SITE/bin:$PATH PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_PLUGINS=
 SUMMARY="$OUT/upstream-pr.json"
 step() { echo "[upstream-pr] $(date -u +%T) $*"; }
+# The PR's connector logs these when a request loses its file (a lock it could not take, a
+# failed or short write, a request left at shutdown): any of them fails the step.
+LOST='cannot lock|Hidden-states write failed|get no hidden-states file'
+lost() {
+    grep -E "$LOST" "$1" | cut -c1-300 | head -5 | sed 's/^/[upstream-pr] logged: /'
+    ! grep -qE "$LOST" "$1"
+}
 
 version=$(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))')
 [ "$version" = 0.34.0 ] || { echo "needs vLLM 0.34.0 under $SITE, found '$version'"; exit 2; }
@@ -76,6 +83,7 @@ if [[ $PARTS == *,accuracy,* ]]; then
         "$OUT/accuracy.json" >"$OUT/upstream-pr-accuracy.log" 2>&1
     ACC=$?
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-accuracy.log" | cut -c1-400
+    lost "$OUT/upstream-pr-accuracy.log" || { [ $ACC = 0 ] && ACC=1; }
 fi
 
 if [[ $PARTS == *,bench,* ]]; then
@@ -91,6 +99,7 @@ if [[ $PARTS == *,tp,* ]]; then
         >"$OUT/upstream-pr-tp.log" 2>&1
     TP=$?
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-tp.log" | cut -c1-400
+    lost "$OUT/upstream-pr-tp.log" || { [ $TP = 0 ] && TP=1; }
 fi
 
 python3 - "$SUMMARY" "$OUT" "$UNIT" "$ACC" "$BENCH" "$TP" <<'EOF'
