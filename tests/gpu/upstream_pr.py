@@ -226,6 +226,26 @@ def compare_files(
     return figures, problems
 
 
+def run_and_judge(results, failed, reference, key, model, kind, connector, storage, eager, tp=1):
+    """One engine's runs (run_engine) judged against HF fp32 into results[key]; the run, or
+    None if the engine failed (the other runs still tell something)."""
+    try:
+        run = run_engine(model, kind, connector, storage, eager, tp)
+    except Exception as e:
+        results[key] = {"error": f"{type(e).__name__}: {e}"}
+        failed.append(key)
+        return None
+    results[key] = dict(run["info"])
+    for requests, prompts in (("prompt", PROMPTS), ("outputs", WITH_OUTPUTS)):
+        paths = run["paths"][requests]
+        figures, problems = judge_vs_hf(reference, paths, prompts, requests == "outputs")
+        results[key][f"{requests}_vs_hf"] = figures
+        if problems:
+            results[key][f"{requests}_problems"] = problems[:10]
+            failed.append(f"{key} {requests} vs HF")
+    return run
+
+
 def accuracy(out_path: str) -> int:
     from tiny_models import build_tiny_dense, build_tiny_hybrid
 
@@ -259,21 +279,13 @@ def accuracy(out_path: str) -> int:
             if name.split("_")[1] not in modes:
                 continue
             key = f"{kind}_{name}"
-            try:
-                runs[name] = run_engine(model, kind, connector, os.path.join(root, key), eager)
-            except Exception as e:  # the other runs still tell something
-                results[key] = {"error": f"{type(e).__name__}: {e}"}
-                failed.append(key)
-                _save(out_path, results)
+            storage = os.path.join(root, key)
+            args = (results, failed, reference, key, model, kind, connector, storage, eager)
+            run = run_and_judge(*args)
+            _save(out_path, results)
+            if run is None:
                 continue
-            results[key] = dict(runs[name]["info"])
-            for requests, prompts in (("prompt", PROMPTS), ("outputs", WITH_OUTPUTS)):
-                paths = runs[name]["paths"][requests]
-                figures, problems = judge_vs_hf(reference, paths, prompts, requests == "outputs")
-                results[key][f"{requests}_vs_hf"] = figures
-                if problems:
-                    results[key][f"{requests}_problems"] = problems[:10]
-                    failed.append(f"{key} {requests} vs HF")
+            runs[name] = run
             if connector == AUX and results[key]["speculative_config"]:
                 failed.append(f"{key}: the speculative config was kept")
             print(f"[upstream-pr] {key}: {json.dumps(results[key])[:600]}", flush=True)
@@ -328,21 +340,12 @@ def tensor_parallel(out_path: str) -> int:
     runs = {}
     for tp in (1, 2):
         key, storage = f"tp{tp}", os.path.join(root, f"tp{tp}")
-        try:
-            runs[tp] = run_engine(model, "hybrid", AUX, storage, eager=False, tp=tp)
-        except Exception as e:  # TP=1 alone still tells something
-            results[key] = {"error": f"{type(e).__name__}: {e}"}
-            failed.append(key)
-            _save(out_path, results)
+        args = (results, failed, reference, key, model, "hybrid", AUX, storage, False, tp)
+        run = run_and_judge(*args)
+        _save(out_path, results)
+        if run is None:
             continue
-        results[key] = dict(runs[tp]["info"])
-        for requests, prompts in (("prompt", PROMPTS), ("outputs", WITH_OUTPUTS)):
-            paths = runs[tp]["paths"][requests]
-            figures, problems = judge_vs_hf(reference, paths, prompts, requests == "outputs")
-            results[key][f"{requests}_vs_hf"] = figures
-            if problems:
-                results[key][f"{requests}_problems"] = problems[:10]
-                failed.append(f"{key} {requests} vs HF")
+        runs[tp] = run
         # Read, so each lock was taken and removed: what is left is the answered files.
         answered = {os.path.basename(p) for ps in runs[tp]["paths"].values() for p in ps if p}
         others = sorted(set(os.listdir(storage)) - answered)
