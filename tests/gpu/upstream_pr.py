@@ -226,6 +226,14 @@ def compare_files(
     return figures, problems
 
 
+def _verdict(out_path: str, results: dict, failed: list, what: str) -> int:
+    results["failed"] = failed
+    results["passed"] = not failed
+    _save(out_path, results)
+    print(f"[upstream-pr] {what}: {'PASSED' if not failed else 'FAILED: ' + str(failed)}")
+    return 0 if not failed else 1
+
+
 def run_and_judge(results, failed, reference, key, model, kind, connector, storage, eager, tp=1):
     """One engine's runs (run_engine) judged against HF fp32 into results[key]; the run, or
     None if the engine failed (the other runs still tell something)."""
@@ -314,11 +322,7 @@ def accuracy(out_path: str) -> int:
                 print(f"[upstream-pr] {key}: {json.dumps(results[key])}", flush=True)
                 _save(out_path, results)
         reference.close()
-    results["failed"] = failed
-    results["passed"] = not failed
-    _save(out_path, results)
-    print(f"[upstream-pr] accuracy: {'PASSED' if not failed else 'FAILED: ' + str(failed)}")
-    return 0 if not failed else 1
+    return _verdict(out_path, results, failed, "accuracy")
 
 
 def tensor_parallel(out_path: str) -> int:
@@ -369,11 +373,7 @@ def tensor_parallel(out_path: str) -> int:
                 failed.append(f"tp2_vs_tp1 {requests}")
         print(f"[upstream-pr] tp2_vs_tp1: {json.dumps(results['tp2_vs_tp1'])}", flush=True)
     reference.close()
-    results["failed"] = failed
-    results["passed"] = not failed
-    _save(out_path, results)
-    print(f"[upstream-pr] tp: {'PASSED' if not failed else 'FAILED: ' + str(failed)}")
-    return 0 if not failed else 1
+    return _verdict(out_path, results, failed, "tp")
 
 
 # ---- 27B shape: KV cache capacity and throughput ------------------------------------------
