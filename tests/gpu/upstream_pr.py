@@ -284,19 +284,18 @@ def accuracy(out_path: str) -> int:
             ("aux_cudagraph", AUX, False),
             ("example_cudagraph", EXAMPLE, False),
         ):
-            if name.split("_")[1] not in modes:
+            if ("eager" if eager else "cudagraph") not in modes:
                 continue
             key = f"{kind}_{name}"
             storage = os.path.join(root, key)
-            args = (results, failed, reference, key, model, kind, connector, storage, eager)
-            run = run_and_judge(*args)
-            _save(out_path, results)
-            if run is None:
-                continue
-            runs[name] = run
-            if connector == AUX and results[key]["speculative_config"]:
-                failed.append(f"{key}: the speculative config was kept")
-            print(f"[upstream-pr] {key}: {json.dumps(results[key])[:600]}", flush=True)
+            run = run_and_judge(
+                results, failed, reference, key, model, kind, connector, storage, eager
+            )
+            if run is not None:
+                runs[name] = run
+                if connector == AUX and results[key]["speculative_config"]:
+                    failed.append(f"{key}: the speculative config was kept")
+                print(f"[upstream-pr] {key}: {json.dumps(results[key])[:600]}", flush=True)
             _save(out_path, results)
         # Like with like: eager and compiled kernels round differently, and each mode's files
         # may differ from the other mode's by about HF bf16's error (run 41: dense, 1.04 x).
@@ -344,20 +343,19 @@ def tensor_parallel(out_path: str) -> int:
     runs = {}
     for tp in (1, 2):
         key, storage = f"tp{tp}", os.path.join(root, f"tp{tp}")
-        args = (results, failed, reference, key, model, "hybrid", AUX, storage, False, tp)
-        run = run_and_judge(*args)
-        _save(out_path, results)
-        if run is None:
-            continue
-        runs[tp] = run
-        # Read, so each lock was taken and removed: what is left is the answered files.
-        answered = {os.path.basename(p) for ps in runs[tp]["paths"].values() for p in ps if p}
-        others = sorted(set(os.listdir(storage)) - answered)
-        results[key]["files"] = len(answered)
-        if others or len(answered) != len(PROMPTS) + len(WITH_OUTPUTS):
-            results[key]["other_entries"] = others[:10]
-            failed.append(f"{key}: {len(answered)} files answered, {len(others)} other entries")
-        print(f"[upstream-pr] tp {key}: {json.dumps(results[key])[:600]}", flush=True)
+        run = run_and_judge(
+            results, failed, reference, key, model, "hybrid", AUX, storage, False, tp
+        )
+        if run is not None:
+            runs[tp] = run
+            # Read, so each lock was taken and removed: what is left is the answered files.
+            answered = {os.path.basename(p) for ps in run["paths"].values() for p in ps if p}
+            others = sorted(set(os.listdir(storage)) - answered)
+            results[key]["files"] = len(answered)
+            if others or len(answered) != len(PROMPTS) + len(WITH_OUTPUTS):
+                results[key]["other_entries"] = others[:10]
+                failed.append(f"{key}: {len(answered)} files answered, {len(others)} other entries")
+            print(f"[upstream-pr] tp {key}: {json.dumps(results[key])[:600]}", flush=True)
         _save(out_path, results)
     if len(runs) == 2:
         results["tp2_vs_tp1"] = {}
