@@ -259,22 +259,28 @@ def accuracy(out_path: str) -> int:
 
     from vllm_gdn_hs.reference import HFReference
 
-    # UPSTREAM_PR_MODES: which of eager and cudagraph to run (both by default).
+    # UPSTREAM_PR_MODES and UPSTREAM_PR_MODELS pick the modes and the tiny models (all by
+    # default), so that a short device session can run what an earlier one did not reach.
     modes = os.environ.get("UPSTREAM_PR_MODES", "eager,cudagraph").split(",")
-    if not set(modes) <= {"eager", "cudagraph"}:
-        print(f"[upstream-pr] accuracy: UPSTREAM_PR_MODES={modes}: eager and/or cudagraph")
+    kinds = os.environ.get("UPSTREAM_PR_MODELS", "hybrid,dense").split(",")
+    if not set(modes) <= {"eager", "cudagraph"} or not set(kinds) <= set(LAYERS):
+        print(
+            f"[upstream-pr] accuracy: UPSTREAM_PR_MODES={modes} (eager and/or cudagraph), "
+            f"UPSTREAM_PR_MODELS={kinds} (hybrid and/or dense)"
+        )
         return 2
     results: dict = {
         "layers": LAYERS,
         "prompts": len(PROMPTS),
         "with_outputs": len(WITH_OUTPUTS),
         "modes": modes,
+        "models": kinds,
     }
     failed = []
     root = tempfile.mkdtemp(prefix="upstream-pr-")
     builders = {"hybrid": build_tiny_hybrid, "dense": build_tiny_dense}
-    for kind, build in builders.items():
-        model = build(os.path.join(root, kind))
+    for kind in kinds:
+        model = builders[kind](os.path.join(root, kind))
         reference = HFReference(model, LAYERS[kind], batch_tokens=32768)
         reference.precompute(PROMPTS)
         runs = {}

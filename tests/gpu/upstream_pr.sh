@@ -8,8 +8,8 @@
 #      or patch -p1 where git is missing; no fuzz either way);
 #   2. runs the unit tests the patch adds (CPU tests, run here against the patched copy);
 #   3. accuracy (tests/gpu/upstream_pr.py accuracy): tiny hybrid + dense, eager + CUDA graphs
-#      (UPSTREAM_PR_MODES=eager or cudagraph for one), against HF fp32/bf16 and against
-#      ExampleHiddenStatesConnector's files;
+#      (UPSTREAM_PR_MODES=eager or cudagraph, UPSTREAM_PR_MODELS=hybrid or dense for one),
+#      against HF fp32/bf16 and against ExampleHiddenStatesConnector's files;
 #   4. unless UPSTREAM_PR_BENCH=0: 27B shape, KV cache tokens + prompt tok/s of plain vLLM,
 #      the PR and ExampleHiddenStatesConnector, CUDA graphs (UPSTREAM_PR_WORKLOADS,
 #      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant);
