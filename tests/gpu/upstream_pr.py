@@ -262,7 +262,7 @@ def accuracy(out_path: str) -> int:
     # UPSTREAM_PR_MODES and UPSTREAM_PR_MODELS pick the modes and the tiny models (all by
     # default), so that a short device session can run what an earlier one did not reach.
     modes = os.environ.get("UPSTREAM_PR_MODES", "eager,cudagraph").split(",")
-    kinds = os.environ.get("UPSTREAM_PR_MODELS", "hybrid,dense").split(",")
+    kinds = os.environ.get("UPSTREAM_PR_MODELS", ",".join(LAYERS)).split(",")
     if not set(modes) <= {"eager", "cudagraph"} or not set(kinds) <= set(LAYERS):
         print(
             f"[upstream-pr] accuracy: UPSTREAM_PR_MODES={modes} (eager and/or cudagraph), "
