@@ -407,6 +407,8 @@ def bench_one(variant: str, spec_path: str) -> int:
         additional_config={"gdn_prefill_backend": "triton"},
         enable_prefix_caching=False,
         max_model_len=spec["max_model_len"],
+        # the workloads send at most 128 requests; 1024 sequences' Mamba blocks fit no H100
+        max_num_seqs=int(os.environ.get("UPSTREAM_PR_MAX_NUM_SEQS", "256")),
         seed=0,
     )
     if BENCH_VARIANTS[variant]:
