@@ -12,7 +12,8 @@
 #      against HF fp32/bf16 and against ExampleHiddenStatesConnector's files;
 #   4. unless UPSTREAM_PR_BENCH=0: 27B shape, KV cache tokens + prompt tok/s of plain vLLM,
 #      the PR and ExampleHiddenStatesConnector, CUDA graphs (UPSTREAM_PR_WORKLOADS,
-#      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant);
+#      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant,
+#      UPSTREAM_PR_MAX_NUM_SEQS: 256 by default);
 #   5. only when UPSTREAM_PR_PARTS names tp, on two GPUs (tests/gpu/upstream_pr.py tp): the
 #      tiny hybrid at TP=2 against TP=1, each against HF fp32 (TP_TIMEOUT, seconds).
 # UPSTREAM_PR_PARTS (default unit,accuracy,bench) picks steps 2-5, e.g. to run the bench in a
