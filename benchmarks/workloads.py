@@ -9,8 +9,10 @@ import re
 import statistics
 from dataclasses import dataclass
 
+from vllm_gdn_hs.model_info import packaged_config_path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REFERENCE_CONFIG = os.path.join(HERE, "qwen3.6-27b-config.json")
+REFERENCE_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")
 
 # Text-model shapes. "27b" is the published Qwen3.6-27B config; "4b" halves hidden size, layers
 # and every head count (head dims unchanged): about 3.0B non-embedding + 1.3B embedding params,

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from vllm_gdn_hs import doctor
+from vllm_gdn_hs import doctor, host
 from vllm_gdn_hs.doctor import _compress, checks
 from vllm_gdn_hs.version import describe_releases, installed_vllm
 
@@ -107,7 +107,7 @@ def test_doctor_untested_vllm_says_how_to_run_it(monkeypatch, capsys):
 
 
 def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
+    monkeypatch.setattr(host, "PROBE_BYTES", 1 << 26)
     folder = tmp_path / "hs" / "new"  # made, as the connector makes it
     rows = {
         item.strip(): (value, problem) for item, value, problem in checks(hybrid_model, str(folder))
@@ -219,8 +219,8 @@ def test_doctor_host_memory_fails_below_write_backlog_under_a_cgroup_cap(
     from vllm_gdn_hs.config import HiddenStatesConfig
 
     proc, cg = _kernel_files(tmp_path, cgroup_line, files)
-    assert doctor.memory_limit(proc, cg) == 6_000_000_000
-    ((item, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert host.memory_limit(proc, cg) == 6_000_000_000
+    ((item, value, problem),) = host.host_memory_checks(proc, cg)
     assert item == "host memory" and value.startswith("6.0 GB available"), value
     flag = "--kv-transfer-config.kv_connector_extra_config.write_backlog_gb=3"
     assert problem and flag in problem and "write_backlog_gb=16" in problem, problem
@@ -240,13 +240,13 @@ def test_doctor_host_memory_reported_without_a_cap(tmp_path, cgroup_line, files)
     """No cgroup cap ("max", v1's near-2^63, or none): MemAvailable is reported and never
     fails the doctor, even when low (free memory on a shared machine moves)."""
     proc, cg = _kernel_files(tmp_path, cgroup_line, files, avail_kb=4 << 20)
-    assert doctor.memory_limit(proc, cg) is None
-    ((_, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert host.memory_limit(proc, cg) is None
+    ((_, value, problem),) = host.host_memory_checks(proc, cg)
     assert value == "4.3 GB available" and problem is None
 
 
 def test_doctor_host_memory_of_this_machine():
-    ((item, value, problem),) = doctor.host_memory_checks()
+    ((item, value, problem),) = host.host_memory_checks()
     assert item == "host memory" and value.endswith(("available", "GB more)")), value
     assert "host memory" in dict((r[0], r[1]) for r in checks())
 
@@ -276,3 +276,85 @@ def test_doctor_mooncake_master(tmp_path):
     assert f"cannot reach the Mooncake master at {dead}" in r.stdout, r.stdout
     r = _cli("doctor", "--mooncake-master", "10.0.0.1")
     assert r.returncode == 1 and "fix mooncake master: String should match pattern" in r.stdout
+
+
+def _dist(site, name: str, files: list[str]) -> None:
+    """An installed distribution as a wheel leaves it: METADATA and a RECORD of its files."""
+    info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in [*files, f"{info.name}/RECORD"]))
+
+
+def test_overlapping_files_names_both_owners_and_the_fix(tmp_path):
+    """cuda-python < 12.8 and cuda-bindings 13 both claim cuda/bindings' files: whichever
+    unpacked last won, so the check reads the RECORDs, not the import."""
+    _dist(tmp_path, "cuda-bindings", ["cuda/bindings/runtime.py", "cuda/bindings/__init__.py"])
+    _dist(tmp_path, "cuda-python", ["cuda/bindings/runtime.py", "cuda/cuda.py"])
+    _dist(tmp_path, "flashinfer-python", ["build_backend.py", "flashinfer/__init__.py"])
+    _dist(tmp_path, "torch-c-dlpack-ext", ["build_backend.py"])  # a loose top-level module
+    clashes = doctor.overlapping_files([str(tmp_path)])
+    assert clashes == {("cuda-bindings", "cuda-python"): ["cuda/bindings/runtime.py"]}
+
+
+def test_install_checks_of_this_environment():
+    """The README's install: no two distributions own a file of a package."""
+    assert doctor.install_checks() == [("installed files", "one owner each", None)], (
+        doctor.overlapping_files()
+    )
+
+
+def test_install_checks_fail_naming_the_fix(monkeypatch):
+    clash = {("cuda-bindings", "cuda-python"): ["cuda/bindings/runtime.py"]}
+    monkeypatch.setattr(doctor, "overlapping_files", lambda: clash)
+    ((item, value, problem),) = doctor.install_checks()
+    assert value == "1 owned by cuda-bindings and cuda-python (e.g. cuda/bindings/runtime.py)"
+    assert problem.endswith("uv pip install 'cuda-python>=12.8' --reinstall-package cuda-bindings")
+
+
+def test_doctor_prints_the_model_first_and_skips_what_needs_a_failed_check(tmp_path, monkeypatch):
+    """A model that cannot be read fails on the first line, before vLLM is imported; checks
+    that need a failed one say skipped."""
+    from vllm_gdn_hs import version
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom vllm_gdn_hs.doctor import iter_checks\n"
+         "rows = next(iter_checks('Qwen/Qwen3.6-27B'))\nprint(rows[0][2])\n"
+         "print('vllm' in sys.modules, 'torch' in sys.modules)"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HOME": str(tmp_path)},
+    )  # fmt: skip
+    problem, imported = r.stdout.strip().splitlines()
+    assert "HF_HUB_OFFLINE is set" in problem and "vllm-gdn-hs config Qwen/Qwen3.6-27B" in problem
+    assert imported == "False False", r.stdout
+    monkeypatch.setattr(version, "installed_vllm", lambda: version.Version("0.19.0"))
+    rows = {item.strip(): value for item, value, _ in checks()}
+    assert rows["plugin via vllm.general_plugins"] == "skipped (needs a supported vllm)"
+    assert (
+        rows["runtime patches"] == rows["model runner"] == rows["plugin via vllm.general_plugins"]
+    )
+
+
+def test_config_writes_the_packaged_config_offline(tmp_path):
+    r = _cli("config", "Qwen/Qwen3.6-27B", str(tmp_path / "cfg"))
+    assert r.returncode == 0 and os.listdir(tmp_path / "cfg") == ["config.json"], r.stderr
+    r = _cli("doctor", "--model", str(tmp_path / "cfg"))
+    assert re.search(r"layers\s+64\b", r.stdout) and "hybrid" in r.stdout, r.stdout
+    r = _cli("config", "Qwen/Qwen9-1B", str(tmp_path / "x"))
+    assert r.returncode == 2 and "invalid choice" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_an_unfinished_download_is_named(tmp_path):
+    """What `hf download` leaves when it cannot reach the hub: a folder with only .cache/."""
+    (tmp_path / "qwen3.6-config" / ".cache" / "huggingface").mkdir(parents=True)
+    r = _cli("doctor", "--model", str(tmp_path / "qwen3.6-config"))
+    assert r.returncode == 1
+    assert "holds only .cache/: an `hf download` into it did not finish" in r.stdout, r.stdout
+    assert "vllm-gdn-hs config MODEL" in r.stdout
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    r = _cli("--version")
+    assert r.stdout.strip() == f"vllm-gdn-hs {metadata.version('vllm-gdn-hs')}"

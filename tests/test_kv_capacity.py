@@ -16,6 +16,8 @@ import os
 import harness
 import pytest
 
+from vllm_gdn_hs.model_info import packaged_config_path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS = [1, 16, 31, 46, 61, 64]
 KV_MEMORY = int(71.72 * 2**30)  # plain vLLM 0.20.1, 27B, H200 at 0.9 (benchmarks/results)
@@ -24,7 +26,7 @@ STEP_TOKENS = 16384  # vLLM's max_num_batched_tokens for LLM(...) on an H200
 
 @pytest.fixture(scope="module")
 def model_27b(tmp_path_factory) -> str:
-    with open(os.path.join(HERE, "..", "benchmarks", "qwen3.6-27b-config.json")) as f:
+    with open(packaged_config_path("Qwen/Qwen3.6-27B")) as f:
         cfg = json.load(f)
     cfg.pop("_comment", None)
     path = tmp_path_factory.mktemp("qwen3.6-27b")

@@ -47,9 +47,9 @@ def storage_checks(monkeypatch, tmp_path):
     /tmp/hidden_states, "/x") are recorded, not made. Returns the paths checked."""
     seen, real = [], files.check_storage_path
 
-    def check(path):
+    def check(path, make=True):
         seen.append(path)
-        return real(path) if path.startswith(str(tmp_path)) else None
+        return real(path, make) if path.startswith(str(tmp_path)) else None
 
     monkeypatch.setattr(files, "check_storage_path", check)
     return seen
@@ -81,7 +81,7 @@ def dry_run(capsys, *argv: str) -> list[str]:
     out = capsys.readouterr().out
     assert rc == 0, out
     lines = out.strip().splitlines()
-    assert lines[0] == "Running command:"
+    assert lines[0] == "Would run:"
     return shlex.split(lines[-1])
 
 
@@ -90,7 +90,7 @@ def fail(capsys, *argv: str) -> str:
     rc = launch.main(with_dry_run(argv))
     captured = capsys.readouterr()
     assert rc == 2, captured
-    assert "Running command" not in captured.out
+    assert "Would run" not in captured.out
     assert "Traceback" not in captured.err
     return captured.err
 
@@ -610,16 +610,22 @@ def test_unwritable_folder_is_refused_before_vllm(capsys, hybrid, tmp_path, monk
     folder = str(tmp_path / "a_file" / "hs")
     rc = launch.main([hybrid, "--hidden-states-path", folder, *(["--dry-run"] if dry else [])])
     captured = capsys.readouterr()
-    assert rc == 2 and "Running command" not in captured.out  # no_exec: execvp not reached
+    assert rc == 2 and "Would run" not in captured.out  # no_exec: execvp not reached
     assert captured.err.startswith(f"error: --hidden-states-path {folder} is not writable (")
     assert "Not a directory" in captured.err
     assert "pass a folder this user can write to" in captured.err
 
 
-def test_folder_is_made_and_checked(capsys, hybrid, tmp_path, storage_checks):
+def test_folder_is_made_and_checked(capsys, hybrid, tmp_path, storage_checks, monkeypatch):
+    """A launch makes the folder; a dry run checks it and makes nothing."""
     folder = tmp_path / "new" / "hs"
     dry_run(capsys, hybrid, "--hidden-states-path", str(folder))
-    assert storage_checks == [str(folder)] and folder.is_dir() and not list(folder.iterdir())
+    assert storage_checks == [str(folder)] and not (tmp_path / "new").exists()
+    monkeypatch.setattr(launch, "gpu_visible", lambda: True)
+    monkeypatch.setattr(launch.os, "execvp", lambda *a: None)
+    assert launch.main([hybrid, "--hidden-states-path", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith("Running command:\n")
+    assert folder.is_dir() and not list(folder.iterdir())
 
 
 def test_no_gpu_is_said_in_one_line(capsys, hybrid, tmp_path, monkeypatch):
@@ -633,6 +639,24 @@ def test_no_gpu_is_said_in_one_line(capsys, hybrid, tmp_path, monkeypatch):
         "a GPU machine, or add --dry-run to print the command\n"
     )
     assert launch.main([hybrid, "--dry-run", "--hidden-states-path", str(tmp_path / "hs")]) == 0
+    assert not (tmp_path / "hs").exists()  # neither the refused launch nor the dry run made it
+
+
+def test_help_imports_neither_vllm_nor_torch():
+    """--help answers at once: nothing heavy is imported for it (the mooncake backends' options,
+    whose definitions import torch, are listed by their own --help)."""
+    code = (
+        "import sys\nfrom vllm_gdn_hs.cli import main\n"
+        "for argv in (['--help'], ['launch', '--help'], ['check', '--help'], ['doctor', '--help'],"
+        " ['config', '--help'], ['demo', '--help'], ['--version']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in ('vllm', 'torch', 'huggingface_hub') if m in sys.modules))"
+    )
+    r = run("-c", code)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr
+    assert "--hidden-states-backend mooncake --help" in r.stdout
+    r = run("-m", "vllm_gdn_hs.cli", "launch", "m", "--hidden-states-backend", "mooncake", "-h")
+    assert r.returncode == 0 and "--mooncake-master" in r.stdout, r.stdout + r.stderr
 
 
 def test_gpu_visible_is_torchs_answer(monkeypatch):

@@ -100,7 +100,7 @@ def test_unreachable_master_named_before_vllm_starts(capsys, hybrid, backend):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     rc = launch.main([hybrid, "--hidden-states-backend", backend, "--mooncake-master", address])
     captured = capsys.readouterr()
-    assert rc == 2 and "Running command" not in captured.out
+    assert rc == 2 and "Would run" not in captured.out
     assert f"cannot reach the Mooncake master at {address}" in captured.err, captured.err
 
 

@@ -22,8 +22,10 @@ import threading
 
 import pytest
 
+from vllm_gdn_hs.model_info import packaged_config_path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN36_CONFIG = os.path.join(REPO, "benchmarks", "qwen3.6-27b-config.json")
+QWEN36_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")
 MODEL = "Qwen/Qwen3.6-27B"
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
 FIX = (

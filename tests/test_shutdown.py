@@ -232,7 +232,7 @@ def test_launch_exports_the_window(tmp_path, capsys, monkeypatch):
     argv = [model, "--dry-run", "--", "--kv-transfer-config", extra]
     assert launch.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == ["Running command:", f"export {serve_args.SHUTDOWN_ENV}=330"]
+    assert lines[:2] == ["Would run:", f"export {serve_args.SHUTDOWN_ENV}=330"]
     calls = []
     monkeypatch.setattr(launch.os, "execvp", lambda file, args: calls.append(args))
     monkeypatch.setattr(launch, "gpu_visible", lambda: True)  # no GPU here

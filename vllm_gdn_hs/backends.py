@@ -42,11 +42,12 @@ class FileBackend:
 
     @staticmethod
     def check_storage(args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts (it is made if missing)."""
+        """The folder must take files before vLLM starts (it is made if missing; with
+        --dry-run nothing is made)."""
         from vllm_gdn_hs.files import check_storage_path
 
         path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
-        if why := check_storage_path(path):
+        if why := check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
                 f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
                 "can write to"

@@ -1,11 +1,18 @@
-"""The ``vllm-gdn-hs`` command: doctor, launch, check, demo."""
+"""The ``vllm-gdn-hs`` command: doctor, config, launch, check, demo.
+
+Each subcommand imports vLLM, torch or the hub client only when it runs, so that ``--help``
+answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
-from vllm_gdn_hs.model_info import flat, layer_ids_arg
+from vllm_gdn_hs.model_info import PACKAGED_CONFIGS, flat, layer_ids_arg
+
+HELP = argparse.ArgumentDefaultsHelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,10 +23,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_main(argv[1:], prog="vllm-gdn-hs launch")
     parser = argparse.ArgumentParser(
-        prog="vllm-gdn-hs", description="Hidden-state extraction for GDN hybrid models on vLLM."
+        prog="vllm-gdn-hs",
+        description="Hidden states of chosen layers of GDN hybrid models (Qwen3.5/3.6) served "
+        "by vLLM, one file per request, for training speculative-decoding drafters.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {metadata.version('vllm-gdn-hs')}"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    doc = sub.add_parser("doctor", help="check the install; works without a GPU")
+
+    def add(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=HELP)
+
+    doc = add(
+        "doctor",
+        "Check the install, a model, a folder and a Mooncake master; no GPU needed. Exit "
+        "status 1 if any check fails.",
+    )
     doc.add_argument(
         "--model",
         help="a HF model folder or hub id to inspect (hybrid? layers? hidden size?); a hub id "
@@ -35,15 +55,22 @@ def main(argv: list[str] | None = None) -> int:
         help="for the mooncake backends: does a Mooncake wheel load here, and does the master "
         "answer? (on every server and trainer host)",
     )
+    cfg = add(
+        "config",
+        "Write a supported model's config.json into a folder, without network: enough for "
+        "launch --dry-run and doctor on a machine that cannot reach the HF hub.",
+    )
+    cfg.add_argument("model", choices=sorted(PACKAGED_CONFIGS), help="the model's hub id")
+    cfg.add_argument("dir", help="the folder to write config.json into (made if missing)")
     sub.add_parser(
         "launch",
         help="start vllm serve for hidden-state extraction "
         "(drop-in for speculators' launch_vllm.py)",
     )
-    chk = sub.add_parser(
+    chk = add(
         "check",
-        help="after or during a run: which hidden-state files are complete, being written, "
-        "lost or broken (exit 1 if any are lost or broken)",
+        "After or during a run: which hidden-state files are complete, being written, lost or "
+        "broken. Exit status 1 if any are lost or broken.",
     )
     chk.add_argument("dir", help="the --hidden-states-path folder")
     chk.add_argument(
@@ -70,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument(
         "--device", default="cpu", help="with --reference: where HF runs (cpu, cuda:1, ...)"
     )
-    demo = sub.add_parser(
+    demo = add(
         "demo",
-        help="extract hidden states from a tiny hybrid model on the "
-        "GPU and check them against HF transformers",
+        "Extract hidden states from a tiny hybrid model on the GPU and hold every file to HF "
+        "transformers on the same weights.",
     )
-    demo.add_argument("--workdir", default="/tmp/vllm_gdn_hs_demo")
+    demo.add_argument(
+        "--workdir",
+        default="/tmp/vllm_gdn_hs_demo",
+        help="where the tiny model, its hidden-state files and the reference go",
+    )
     args = parser.parse_args(argv)
     if args.command == "check":
         args.layer_ids = flat(args.layer_ids)
@@ -83,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_gdn_hs.doctor import run_doctor
 
         return run_doctor(args.model, args.hidden_states_path, args.mooncake_master)
+    if args.command == "config":
+        from vllm_gdn_hs.model_info import write_config
+
+        print(f"wrote {write_config(args.model, args.dir)}")
+        return 0
     if args.command == "check":
         from vllm_gdn_hs.check import run_check
 

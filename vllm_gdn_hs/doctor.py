@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
+from collections.abc import Iterator
 from importlib import metadata
 
-PROBE_BYTES = 1 << 30  # written, fsync-ed and removed to measure the storage
+from vllm_gdn_hs.host import host_memory_checks, storage_checks
 
 
 def _version(dist: str) -> str | None:
@@ -27,125 +25,6 @@ def _compress(ids: list[int]) -> str:
             parts.append(str(start) if start == x else f"{start}-{x}")
             start = None
     return ",".join(parts) or "-"
-
-
-def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
-    """Bytes/s of one sequential write of ``nbytes`` into ``folder``, fsync included, as a
-    file writer does (the probe file is removed)."""
-    block = os.urandom(1 << 20) * 64  # incompressible, 64 MiB
-    blocks = max(nbytes // len(block), 1)
-    path = os.path.join(folder, f".vllm-gdn-hs-probe-{os.getpid()}")
-    t0 = time.perf_counter()
-    try:
-        with open(path, "wb") as f:
-            for _ in range(blocks):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-        return blocks * len(block) / (time.perf_counter() - t0)
-    finally:
-        if os.path.exists(path):
-            os.remove(path)
-
-
-def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, str | None]]:
-    """The hidden-states folder: writable, free space, write speed, and what those mean in
-    tokens at speculators' default of 4 layers when the model's hidden size is known."""
-    from vllm_gdn_hs.files import check_storage_path
-
-    try:
-        if why := check_storage_path(path):
-            raise ValueError(
-                f"{path} is not writable ({why}): pass a writable folder with "
-                "--hidden-states-path DIR"
-            )
-        free = shutil.disk_usage(path).free
-        speed = write_speed(path, min(PROBE_BYTES, max(free // 4, 1 << 26)))
-    except (ValueError, OSError) as e:
-        return [("hidden-states path", path, str(e))]
-    rows = [
-        ("hidden-states path", path, None),
-        ("  free space", f"{free / 1e9:,.1f} GB", None),
-        ("  write speed (one stream, fsync)", f"{speed / 1e9:.2f} GB/s", None),
-    ]
-    if hidden_size:
-        per_token = 4 * hidden_size * 2  # 4 layers of bf16 rows
-        rows.append(
-            (
-                "  at 4 layers (speculators' default)",
-                f"{per_token / 1e3:.1f} KB/token: room for {free / per_token / 1e6:,.1f}M "
-                f"tokens; one stream keeps up with {speed / per_token:,.0f} tokens/s",
-                None,
-            )
-        )
-    return rows
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):  # absent, or "max" (no limit)
-        return None
-
-
-def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup may still take (limit less usage), where a limit
-    is set: cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``), as batch
-    schedulers such as Slurm set them per job; None without one."""
-    try:
-        with open(os.path.join(proc, "self", "cgroup")) as f:
-            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
-        return None
-    for _, controllers, rel in lines:
-        if controllers == "":
-            files, root = ("memory.max", "memory.current"), cgroup_fs
-        elif "memory" in controllers.split(","):
-            files, root = ("memory.limit_in_bytes", "memory.usage_in_bytes"), cgroup_fs + "/memory"
-        else:
-            continue
-        # the cgroup's own folder, or the mount's root where the container shows only its own
-        for folder in (root + rel, root):
-            limit, used = (_read_int(os.path.join(folder, name)) for name in files)
-            if limit is not None and used is not None and limit < 1 << 60:
-                return max(limit - used, 0)
-    return None
-
-
-def host_memory_checks(
-    proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup"
-) -> list[tuple[str, str, str | None]]:
-    """Host memory against the writer's default write_backlog_gb: finished requests' rows
-    wait there for their files, on top of the rows of requests in flight. A FAIL only where
-    a memory cgroup caps the job below it (the kernel would kill the server when the
-    backlog fills); free memory on a shared machine moves, so it is only reported."""
-    from vllm_gdn_hs.config import HiddenStatesConfig
-
-    backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
-    avail = None
-    try:
-        with open(os.path.join(proc, "meminfo")) as f:
-            avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
-    limit = memory_limit(proc, cgroup_fs)
-    known = [x for x in (avail, limit) if x is not None]
-    free = min(known) if known else None
-    if free is None:
-        return [("host memory", "unknown (no /proc/meminfo)", None)]
-    value = f"{free / 1e9:,.1f} GB available" + (
-        f" (the job's memory cgroup allows {limit / 1e9:,.1f} GB more)" if limit is not None else ""
-    )
-    problem = None
-    if limit is not None and limit < backlog_gb * 1e9:
-        problem = (
-            f"the writer may hold write_backlog_gb={backlog_gb:g} GB of finished requests "
-            f"waiting for their files, more than the {limit / 1e9:.1f} GB the job's memory "
-            "cgroup allows: pass --kv-transfer-config.kv_connector_extra_config."
-            f"write_backlog_gb={max(int(limit / 2e9), 1)} to vLLM, or ask for more memory"
-        )
-    return [("host memory", value, problem)]
 
 
 # hs-connectors' Mooncake wheels: each installs the package "mooncake"
@@ -197,12 +76,70 @@ def model_runner() -> str:
     return runner_in_use()
 
 
-def checks(
-    model: str | None = None,
-    hidden_states_path: str | None = None,
-    mooncake_master: str | None = None,
-) -> list[tuple[str, str, str | None]]:
-    """(item, value, problem-or-None) rows."""
+SKIPPED = "skipped (needs "
+
+
+def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], list[str]]:
+    """Files inside packages that two or more installed distributions claim (their
+    ``RECORD``s), by the claiming distributions. One wheel has then overwritten the other's
+    files, and which one won depends on the unpacking order: cuda-python < 12.8 carries
+    cuda.bindings' own files, which break torch's cuda-bindings 13 when they win."""
+    owners: dict[str, set[str]] = {}
+    for dist in metadata.distributions(**({"path": path} if path else {})):
+        name = dist.metadata["Name"]
+        for f in dist.files or ():
+            file = str(f)
+            # top-level loose modules (build tools' build_backend.py) are no package's files
+            if "/" in file and ".dist-info/" not in file and not file.startswith(".."):
+                owners.setdefault(file, set()).add(name)
+    clashes: dict[tuple[str, ...], list[str]] = {}
+    for file, names in owners.items():
+        if len(names) > 1 and not file.endswith(".pyc"):
+            clashes.setdefault(tuple(sorted(names)), []).append(file)
+    return clashes
+
+
+def install_checks() -> list[tuple[str, str, str | None]]:
+    """No two distributions own the same file: the row ``.ci/run`` and a user's doctor share."""
+    rows = [
+        (
+            "installed files",
+            f"{len(paths)} owned by {' and '.join(names)} (e.g. {min(paths)})",
+            "one wheel overwrote the other's files: uv pip install "
+            + (
+                "'cuda-python>=12.8' --reinstall-package cuda-bindings"
+                if "cuda-python" in names
+                else " ".join(f"--reinstall-package {n}" for n in names)
+            ),
+        )
+        for names, paths in overlapping_files().items()
+    ]
+    return rows or [("installed files", "one owner each", None)]
+
+
+def model_checks(model: str) -> tuple[list[tuple[str, str, str | None]], int | None]:
+    """The model's rows and its hidden size (None where its config cannot be read)."""
+    from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
+
+    try:
+        info = read_model_info(model)
+    except ModelConfigError as e:
+        return [("model", model, str(e))], None
+    return [
+        ("model", f"{model} ({', '.join(info.architectures) or info.model_type})", None),
+        ("hybrid", "yes" if info.is_hybrid else "no (dense)", None),
+        ("layers", str(info.num_hidden_layers), None),
+        ("  linear attention (GDN/Mamba)", _compress(info.linear_layers), None),
+        ("  full attention", _compress(info.full_attention_layers), None),
+        *([("  sliding window", _compress(info.sliding_layers), None)] * bool(info.sliding_layers)),
+        ("hidden size", str(info.hidden_size), None),
+        ("multimodal (pass --language-model-only)", "yes" if info.multimodal else "no", None),
+    ], info.hidden_size
+
+
+def vllm_checks() -> list[tuple[str, str, str | None]]:
+    """vLLM, the plugin's loading through vLLM's own loader, its patches and runner; a check
+    whose prerequisite failed says ``skipped (needs ...)``."""
     from vllm_gdn_hs.version import (
         ALLOW_UNTESTED,
         UnsupportedVllmError,
@@ -225,69 +162,76 @@ def checks(
     for dist in ("torch", "transformers"):
         v = _version(dist)
         rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))
+    plugin = "plugin via vllm.general_plugins"
+    if problem is not None:
+        needs = SKIPPED + "a supported vllm)"
+        return [*rows, (plugin, needs, None), ("runtime patches", needs, None),
+                ("model runner", needs, None)]  # fmt: skip
+    try:
+        from vllm.plugins import load_general_plugins
 
-    plugin_problem, patches, runner = None, "-", "-"
-    if problem is None:
-        try:
-            from vllm.plugins import load_general_plugins
+        load_general_plugins()
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-            load_general_plugins()
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm_gdn_hs import CONNECTOR_NAME
 
-            from vllm_gdn_hs import CONNECTOR_NAME
-            from vllm_gdn_hs.patch import apply_patches
+        if CONNECTOR_NAME not in KVConnectorFactory._registry:
+            raise RuntimeError(
+                "vLLM's plugin loader did not find vllm_gdn_hs: install the package into this "
+                "environment (uv pip install -e . in its repository, as the README's Install), "
+                "PYTHONPATH is not enough"
+            )
+        rows.append((plugin, "found", None))
+        from vllm_gdn_hs.patch import apply_patches
 
-            if CONNECTOR_NAME not in KVConnectorFactory._registry:
-                plugin_problem = (
-                    "vLLM's plugin loader did not find vllm_gdn_hs: install the "
-                    "package into this environment (uv pip install -e . in its repository, "
-                    "as the README's Install), PYTHONPATH is not enough"
-                )
-            patches = ", ".join(apply_patches()) or "none needed"
-            runner = model_runner()
-        except Exception as e:  # report, don't crash: this is the diagnostic tool
-            plugin_problem = f"{type(e).__name__}: {e}"
-    rows.append(
-        ("plugin via vllm.general_plugins", "found" if not plugin_problem else "no", plugin_problem)
-    )
-    rows.append(("runtime patches", patches, None))
-    rows.append(("model runner", runner, None))
+        rows.append(("runtime patches", ", ".join(apply_patches()) or "none needed", None))
+    except Exception as e:  # report, don't crash: this is the diagnostic tool
+        needs = SKIPPED + "the plugin)"
+        return [*rows, (plugin, "no", f"{type(e).__name__}: {e}"),
+                ("runtime patches", needs, None), ("model runner", needs, None)]  # fmt: skip
+    rows.append(("model runner", model_runner(), None))
+    return rows
+
+
+def gpu_checks() -> list[tuple[str, str, str | None]]:
     try:
         import torch
 
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible"
     except Exception:
         gpu = "none visible"
-    rows.append(("GPU", gpu, None))
-    rows += host_memory_checks()
+    return [("GPU", gpu, None)]
 
-    info = None
+
+def iter_checks(
+    model: str | None = None,
+    hidden_states_path: str | None = None,
+    mooncake_master: str | None = None,
+) -> Iterator[list[tuple[str, str, str | None]]]:
+    """Groups of (item, value, problem-or-None) rows, the fast ones first: the model's (a
+    hub id that cannot be reached fails in seconds), then the install and vLLM (which
+    imports vLLM), the GPU, host memory, the folder and the Mooncake master."""
+    hidden_size = None
     if model:
-        from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
-
-        try:
-            info = read_model_info(model)
-        except ModelConfigError as e:
-            rows.append(("model", model, str(e)))
-    if info:
-        rows.append(
-            ("model", f"{model} ({', '.join(info.architectures) or info.model_type})", None)
-        )
-        rows.append(("hybrid", "yes" if info.is_hybrid else "no (dense)", None))
-        rows.append(("layers", str(info.num_hidden_layers), None))
-        rows.append(("  linear attention (GDN/Mamba)", _compress(info.linear_layers), None))
-        rows.append(("  full attention", _compress(info.full_attention_layers), None))
-        if info.sliding_layers:
-            rows.append(("  sliding window", _compress(info.sliding_layers), None))
-        rows.append(("hidden size", str(info.hidden_size), None))
-        rows.append(
-            ("multimodal (pass --language-model-only)", "yes" if info.multimodal else "no", None)
-        )
+        rows, hidden_size = model_checks(model)
+        yield rows
+    yield install_checks()
+    yield vllm_checks()
+    yield gpu_checks()
+    yield host_memory_checks()
     if hidden_states_path:
-        rows += storage_checks(hidden_states_path, info.hidden_size if info else None)
+        yield storage_checks(hidden_states_path, hidden_size)
     if mooncake_master:
-        rows += mooncake_checks(mooncake_master)
-    return rows
+        yield mooncake_checks(mooncake_master)
+
+
+def checks(
+    model: str | None = None,
+    hidden_states_path: str | None = None,
+    mooncake_master: str | None = None,
+) -> list[tuple[str, str, str | None]]:
+    """Every (item, value, problem-or-None) row."""
+    return [row for rows in iter_checks(model, hidden_states_path, mooncake_master) for row in rows]
 
 
 def run_doctor(
@@ -295,12 +239,16 @@ def run_doctor(
     hidden_states_path: str | None = None,
     mooncake_master: str | None = None,
 ) -> int:
-    rows = checks(model, hidden_states_path, mooncake_master)
-    width = max(len(r[0]) for r in rows)
-    for item, value, problem in rows:
-        mark = "FAIL" if problem else "ok"
-        print(f"{mark:4}  {item:<{width}}  {value}")
-    problems = [(item, p) for item, _, p in rows if p]
-    for item, p in problems:
-        print(f"\nfix {item}: {p}")
+    """Print each group of rows as soon as it is known; exit 1 if any row failed."""
+    width = 40
+    problems = []
+    for rows in iter_checks(model, hidden_states_path, mooncake_master):
+        for item, value, problem in rows:
+            mark = "FAIL" if problem else "skip" if value.startswith(SKIPPED) else "ok"
+            print(f"{mark:4}  {item:<{width}}  {value}", flush=True)
+            if problem:
+                print(f"fix {item.strip()}: {problem}", flush=True)
+                problems.append(item.strip())
+    if problems:
+        print(f"\n{len(problems)} problem(s): {', '.join(problems)}")
     return 1 if problems else 0

@@ -366,8 +366,16 @@ def check_rows(hidden_states) -> str | None:
     return check_norms(row_norms(hidden_states))
 
 
-def check_storage_path(path: str) -> str | None:
-    """Why ``path`` cannot hold hidden-states files (it is made if missing), or None."""
+def check_storage_path(path: str, make: bool = True) -> str | None:
+    """Why ``path`` cannot hold hidden-states files (it is made if missing), or None. With
+    ``make=False`` nothing is made: the nearest folder that exists must be writable."""
+    if not make:
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            return f"{os.strerror(errno.ENOTDIR)}: {parent!r}"
+        return None if os.access(parent, os.W_OK | os.X_OK) else f"{os.strerror(errno.EACCES)}"
     probe = os.path.join(path, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)

@@ -52,13 +52,17 @@ _USAGE = (
 )
 
 
-def make_parser(prog: str = "launch_vllm.py") -> argparse.ArgumentParser:
+def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse.ArgumentParser:
+    """The launcher's options; ``mooncake=False`` leaves out the ``--mooncake-*`` ones, whose
+    definitions (hs-connectors') import torch: seconds that ``--help`` need not wait."""
     parser = argparse.ArgumentParser(
         prog=prog,
         usage=_USAGE,
         description="Launch vLLM for hidden states extraction (GDN hybrid and dense models). "
-        "Everything after '--' goes to vllm serve unchanged.",
-    )
+        "Everything after '--' goes to vllm serve unchanged."
+        + ("" if mooncake else f" The mooncake backends' options: {prog} MODEL "
+           "--hidden-states-backend mooncake --help."),
+    )  # fmt: skip
     parser.add_argument("model", type=str, help="Model name or path to extract hidden states from")
     parser.add_argument(
         "--hidden-states-backend",
@@ -67,7 +71,8 @@ def make_parser(prog: str = "launch_vllm.py") -> argparse.ArgumentParser:
         help="Hidden states transfer backend. Each backend may add its own CLI arguments. "
         "Default: 'file'.",
     )
-    for add_launch_args in dict.fromkeys(b.add_launch_args for b in BACKENDS.values()):
+    backends = [b for name, b in BACKENDS.items() if mooncake or "mooncake" not in name]
+    for add_launch_args in dict.fromkeys(b.add_launch_args for b in backends):
         add_launch_args(parser)  # once each: fp8 has the file backend's options
     parser.add_argument(
         "--target-layer-ids",
@@ -105,7 +110,8 @@ def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namesp
     if "--" in argv:
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
-    args, unknown = make_parser(prog).parse_known_args(argv)
+    mooncake = any("mooncake" in a for a in argv)  # the backend's name, or its options
+    args, unknown = make_parser(prog, mooncake).parse_known_args(argv)
     args.target_layer_ids = flat(args.target_layer_ids)
     args.vllm_args = [*unknown, *after]
     return args
@@ -200,9 +206,8 @@ def gpu_visible() -> bool:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What would make ``vllm serve`` fail after minutes, checked before it starts: the
-    hidden-states folder (with --dry-run too), and, unless --dry-run, a visible GPU."""
-    BACKENDS[args.hidden_states_backend].check_storage(args)
+    """What would make ``vllm serve`` fail after minutes, checked before it starts: unless
+    --dry-run, a visible GPU; then the storage (with --dry-run, without making anything)."""
     if not args.dry_run and not gpu_visible():
         cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise LaunchError(
@@ -211,6 +216,7 @@ def preflight(args: argparse.Namespace) -> None:
             + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the "
             "command"
         )
+    BACKENDS[args.hidden_states_backend].check_storage(args)
 
 
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     env = shutdown_env(drain_seconds(kv))
     if is_untested():  # the printed command runs elsewhere too
         env[ALLOW_UNTESTED] = "1"
-    print("Running command:")
+    print("Would run:" if args.dry_run else "Running command:")
     for key, value in env.items():  # time at shutdown for the answered requests' files
         print(f"export {key}={shlex.quote(value)}")
     print(shlex.join(cmd), flush=True)

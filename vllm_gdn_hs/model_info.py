@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 # HF ``layer_types`` values, grouped by the vLLM KV cache spec they get.
@@ -50,13 +51,44 @@ class ModelInfo:
 
 # One probe of the hub, without retries: a machine without network says so at once.
 HUB_PROBE_TIMEOUT_S = 3.0
+# Supported models whose config.json the package carries (their language model's published
+# dimensions; the vision tower is cut to 2 blocks): `vllm-gdn-hs config MODEL DIR` writes one,
+# so that --dry-run and doctor work without network.
+PACKAGED_CONFIGS = {"Qwen/Qwen3.6-27B": "qwen3.6-27b.json"}
+
+
+def packaged_config_path(model: str) -> str | None:
+    """The package's copy of ``model``'s config.json, or None."""
+    name = PACKAGED_CONFIGS.get(model)
+    return name and os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name)
+
+
+def write_config(model: str, folder: str) -> str:
+    """Write the packaged config.json of ``model`` into ``folder`` (made if missing); return
+    the file's path. Nothing is downloaded."""
+    src = packaged_config_path(model)
+    if src is None:
+        raise ModelConfigError(
+            f"no config of {model!r} is packaged (only {', '.join(PACKAGED_CONFIGS)}): "
+            f"`hf download {model} config.json --local-dir {folder}`, with network"
+        )
+    os.makedirs(folder, exist_ok=True)
+    dst = os.path.join(folder, "config.json")
+    shutil.copyfile(src, dst)
+    return dst
 
 
 def hub_fix(model: str) -> str:
     """What to do when a hub id's config cannot be had: the words every command uses."""
+    offline = (
+        f"; offline, `vllm-gdn-hs config {model} DIR` writes the packaged one"
+        if model in PACKAGED_CONFIGS
+        else ""
+    )
     return (
         f"pass the model's folder instead, or download its config.json first (`hf download "
-        f"{model} config.json --local-dir DIR`, then pass DIR; enough for --dry-run and doctor)"
+        f"{model} config.json --local-dir DIR`, then pass DIR; enough for --dry-run and "
+        f"doctor){offline}"
     )
 
 
@@ -132,6 +164,13 @@ def _load_config_dict(model: str) -> dict:
     if os.path.isdir(model):
         path = os.path.join(model, "config.json")
         if not os.path.exists(path):
+            if os.listdir(model) == [".cache"]:  # what `hf download` leaves when it fails
+                raise ModelConfigError(
+                    f"{model} holds only .cache/: an `hf download` into it did not finish "
+                    f"(no network?). Run it again with network, or offline: "
+                    f"`vllm-gdn-hs config MODEL {model}` for "
+                    f"{', '.join(PACKAGED_CONFIGS)}"
+                )
             raise ModelConfigError(f"{model} has no config.json: is it a HF model folder?")
         return _read_json(path)
     if os.path.exists(model):
