@@ -1,5 +1,5 @@
 """A real ``mooncake_master`` on 127.0.0.1 for the mooncake tests: started on a free port,
-stopped by its process id; the tests skip, saying why, where the binary is missing.
+stopped by its process id; the tests skip, saying why, where the binary is missing (in CI: fail).
 
 The binary and ``mooncake.store`` come from ``mooncake-transfer-engine-non-cuda`` (the dev
 extra) and need ``libibverbs1`` (apt). Only loopback: the master binds 127.0.0.1, and
@@ -27,17 +27,19 @@ from mooncake_side import (  # noqa: E402, F401  (the bench's, shared)
 
 
 def require_mooncake() -> str:
-    """The master binary, after checking that ``mooncake.store`` loads; else skip."""
+    """The master binary, after checking that ``mooncake.store`` loads; else skip, or fail
+    where CI is set (.ci/run installs both, so a missing one is a broken install there)."""
+    missing = pytest.fail if os.environ.get("CI", "").lower() in ("1", "true") else pytest.skip
     path = master_binary()
     if path is None:
-        pytest.skip(
+        missing(
             "mooncake_master not installed: pip install mooncake-transfer-engine-non-cuda "
             "(in the dev extra)"
         )
     try:
         import mooncake.store  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"mooncake.store does not load ({e}): apt-get install -y libibverbs1")
+        missing(f"mooncake.store does not load ({e}): apt-get install -y libibverbs1")
     os.environ["MC_TCP_BIND_ADDRESS"] = HOST
     return path
 
