@@ -202,21 +202,21 @@ def test_the_source_probe_agrees_with_the_installed_vllm():
 
 def test_vllm_waits_the_window_the_launcher_sets(monkeypatch):
     """With the launcher's environment and vLLM's default --shutdown-timeout 0, vLLM's own
-    process manager gives the engine core shutdown_drain_s plus the teardown."""
+    process manager gives the engine core twice shutdown_drain_s plus the teardown."""
     import vllm.v1.engine.utils as utils
 
     if not hasattr(utils, "get_engine_process_shutdown_timeout"):
         pytest.skip("this vLLM waits max(--shutdown-timeout, 5) s: the launcher passes the flag")
     env = serve_args.shutdown_env(120.0, environ={})
-    assert env == {serve_args.SHUTDOWN_ENV: "150"}
+    assert env == {serve_args.SHUTDOWN_ENV: "270"}
     monkeypatch.setenv(serve_args.SHUTDOWN_ENV, env[serve_args.SHUTDOWN_ENV])
-    assert utils.get_engine_process_shutdown_timeout(0, 0) == 150
+    assert utils.get_engine_process_shutdown_timeout(0, 0) == 270
     assert serve_args.shutdown_args([], 120.0) == []
 
 
 def test_shutdown_timeout_where_vllm_ignores_the_variable(monkeypatch, capsys):
     monkeypatch.setattr(serve_args, "engine_wait_from_env", lambda: False)
-    assert serve_args.shutdown_args([], 7.5) == ["--shutdown-timeout", "38"]
+    assert serve_args.shutdown_args([], 7.5) == ["--shutdown-timeout", "46"]
     assert serve_args.shutdown_args(["--shutdown-timeout", "600"], 7.5) == []
     assert capsys.readouterr().err == ""
     assert serve_args.shutdown_args(["--shutdown-timeout=10"], 120) == []
@@ -232,9 +232,9 @@ def test_launch_exports_the_window(tmp_path, capsys, monkeypatch):
     argv = [model, "--dry-run", "--", "--kv-transfer-config", extra]
     assert launch.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == ["Running command:", f"export {serve_args.SHUTDOWN_ENV}=330"]
+    assert lines[:2] == ["Running command:", f"export {serve_args.SHUTDOWN_ENV}=630"]
     calls = []
     monkeypatch.setattr(launch.os, "execvp", lambda file, args: calls.append(args))
     monkeypatch.setattr(launch, "gpu_visible", lambda: True)  # no GPU here
     assert launch.main(argv[:1] + argv[2:]) == 0
-    assert calls and os.environ[serve_args.SHUTDOWN_ENV] == "330"
+    assert calls and os.environ[serve_args.SHUTDOWN_ENV] == "630"
