@@ -130,9 +130,12 @@ def test_writes_past_the_drain_lose_their_lock_and_are_counted(tmp_path, monkeyp
 # -- a process stopped by a signal ------------------------------------------------------------
 
 
-def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, answers: int):
+def run_child(
+    folder, sig: int, drain_s: float, delay_s: float, workers: int, answers: int, at="draining"
+):
     """Start the child, let it answer ``answers`` requests, send ``sig``, and a SIGTERM
-    again once it drains; returns (its answered paths, its exit code, its log)."""
+    again once it prints ``at`` (teardown, before the drain; or draining); returns (its
+    answered paths, its exit code, its log)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, CHILD, str(folder), str(drain_s), str(delay_s), str(workers)]
     proc = subprocess.Popen(
@@ -147,7 +150,7 @@ def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, an
                 if len(answered) == answers and not signalled:
                     proc.send_signal(sig)
                     signalled = True
-            elif line.strip() == "draining":
+            elif line.strip() == at:
                 proc.send_signal(signal.SIGTERM)  # the API server's terminate(), mid-drain
         rc = proc.wait(120)
     finally:
@@ -156,10 +159,12 @@ def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, an
     return answered, rc, "".join(log) + proc.stderr.read()
 
 
+@pytest.mark.parametrize("at", ["teardown", "draining"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signalled_process_writes_every_answered_file(tmp_path, sig):
+def test_a_signalled_process_writes_every_answered_file(tmp_path, sig, at):
+    """A second signal before the drain begins or during it is logged, never fatal."""
     folder = tmp_path / "hs"
-    answered, rc, log = run_child(folder, sig, drain_s=60, delay_s=0.05, workers=2, answers=40)
+    answered, rc, log = run_child(folder, sig, 60, 0.05, workers=2, answers=40, at=at)
     assert rc == 0, log[-3000:]
     assert "SIGTERM during shutdown" in log, log[-3000:]  # the second signal was only logged
     out = check.scan(str(folder))
