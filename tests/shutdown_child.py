@@ -8,7 +8,9 @@ the request, the running request is aborted, the busy loop ends, the default han
 back (so a second signal would end the process) and the teardown calls the connector's
 shutdown (here the worker side's ``close()``). It prints ``draining`` once the writes drain
 (inside ``close()``, where the connector logs a second signal instead of dying of it) and
-``closed`` after. The only fake is the disk: each file write first sleeps WRITE_DELAY_S.
+``closed`` after; ``teardown`` before the drain, inside the guard the plugin puts around
+vLLM's engine core teardown (patch/shutdown.py). The only fake is the disk: each file write
+first sleeps WRITE_DELAY_S.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from vllm_gdn_hs.connector.metadata import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker, _signals_logged
 
 L, H, T = 2, 64, 16
 
@@ -81,7 +83,10 @@ def main(folder: str, drain_s: float, delay_s: float, workers: int) -> int:
             return real_close(deadline)
 
         worker.writer.close = close
-        worker.close()
+        with _signals_logged(drain_s):  # as the plugin's EngineCoreProc.shutdown wrap
+            print("teardown", flush=True)  # before the connector's close(): vLLM's teardown
+            time.sleep(0.5)  # the executor's teardown: the second signal lands here
+            worker.close()
         print("closed", flush=True)
     return 0
 

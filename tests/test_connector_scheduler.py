@@ -6,9 +6,9 @@ Covers, with HMA on and the tiny hybrid Qwen3.5's real KV cache groups: the meta
 to the worker each step (new requests with their file path and prompt length, listed once
 even under chunked prefill; finished requests with the token ids to write), the
 kv_transfer_params.hidden_states_path returned to the client, include_output_tokens, aborts
-(no path, token_ids None) and the per-request hidden_states_path gate; the basic lifecycle
-also on the tiny dense Qwen3. Requests and model runner outputs are built as vLLM's own
-scheduler tests build them.
+(hidden_states_error instead of a path, token_ids None) and the per-request hidden_states_path
+gate; the basic lifecycle also on the tiny dense Qwen3. Requests and model runner outputs are
+built as vLLM's own scheduler tests build them.
 """
 
 from __future__ import annotations
@@ -205,8 +205,9 @@ def test_abort_after_scheduling(sched):
     so = sched.schedule()  # "gone" is mid-prefill
     assert [n.req_id for n in meta_of(so).new_requests] == ["keep", "gone"]
     sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
-    ((rid, status, _, result),) = sched.connector.finished_calls
-    assert (rid, status, result) == ("gone", RequestStatus.FINISHED_ABORTED, (False, None))
+    ((rid, status, _, (delay, params)),) = sched.connector.finished_calls
+    assert (rid, status, delay) == ("gone", RequestStatus.FINISHED_ABORTED, False)
+    assert "aborted" in params["hidden_states_error"] and "hidden_states_path" not in params
     so = sched.schedule()
     assert meta_of(so).finished_requests == [FinishedRequest("gone", None)]
     assert "gone" not in sched.connector._scheduler._paths
@@ -216,7 +217,7 @@ def test_abort_while_waiting_tells_worker_nothing(sched):
     sched.add_request(make_request("never", prompt(10)))
     sched.finish_requests("never", RequestStatus.FINISHED_ABORTED)
     (call,) = sched.connector.finished_calls
-    assert call[0] == "never" and call[3] == (False, None)
+    assert call[0] == "never" and call[3][0] is False and "hidden_states_error" in call[3][1]
     so = sched.schedule()
     assert meta_of(so) == HybridHiddenStatesConnectorMetadata()
 

@@ -130,9 +130,12 @@ def test_writes_past_the_drain_lose_their_lock_and_are_counted(tmp_path, monkeyp
 # -- a process stopped by a signal ------------------------------------------------------------
 
 
-def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, answers: int):
+def run_child(
+    folder, sig: int, drain_s: float, delay_s: float, workers: int, answers: int, at="draining"
+):
     """Start the child, let it answer ``answers`` requests, send ``sig``, and a SIGTERM
-    again once it drains; returns (its answered paths, its exit code, its log)."""
+    again once it prints ``at`` (teardown, before the drain; or draining); returns (its
+    answered paths, its exit code, its log)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, CHILD, str(folder), str(drain_s), str(delay_s), str(workers)]
     proc = subprocess.Popen(
@@ -147,7 +150,7 @@ def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, an
                 if len(answered) == answers and not signalled:
                     proc.send_signal(sig)
                     signalled = True
-            elif line.strip() == "draining":
+            elif line.strip() == at:
                 proc.send_signal(signal.SIGTERM)  # the API server's terminate(), mid-drain
         rc = proc.wait(120)
     finally:
@@ -156,10 +159,12 @@ def run_child(folder, sig: int, drain_s: float, delay_s: float, workers: int, an
     return answered, rc, "".join(log) + proc.stderr.read()
 
 
+@pytest.mark.parametrize("at", ["teardown", "draining"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signalled_process_writes_every_answered_file(tmp_path, sig):
+def test_a_signalled_process_writes_every_answered_file(tmp_path, sig, at):
+    """A second signal before the drain begins or during it is logged, never fatal."""
     folder = tmp_path / "hs"
-    answered, rc, log = run_child(folder, sig, drain_s=60, delay_s=0.05, workers=2, answers=40)
+    answered, rc, log = run_child(folder, sig, 60, 0.05, workers=2, answers=40, at=at)
     assert rc == 0, log[-3000:]
     assert "SIGTERM during shutdown" in log, log[-3000:]  # the second signal was only logged
     out = check.scan(str(folder))
@@ -202,21 +207,21 @@ def test_the_source_probe_agrees_with_the_installed_vllm():
 
 def test_vllm_waits_the_window_the_launcher_sets(monkeypatch):
     """With the launcher's environment and vLLM's default --shutdown-timeout 0, vLLM's own
-    process manager gives the engine core shutdown_drain_s plus the teardown."""
+    process manager gives the engine core twice shutdown_drain_s plus the teardown."""
     import vllm.v1.engine.utils as utils
 
     if not hasattr(utils, "get_engine_process_shutdown_timeout"):
         pytest.skip("this vLLM waits max(--shutdown-timeout, 5) s: the launcher passes the flag")
     env = serve_args.shutdown_env(120.0, environ={})
-    assert env == {serve_args.SHUTDOWN_ENV: "150"}
+    assert env == {serve_args.SHUTDOWN_ENV: "270"}
     monkeypatch.setenv(serve_args.SHUTDOWN_ENV, env[serve_args.SHUTDOWN_ENV])
-    assert utils.get_engine_process_shutdown_timeout(0, 0) == 150
+    assert utils.get_engine_process_shutdown_timeout(0, 0) == 270
     assert serve_args.shutdown_args([], 120.0) == []
 
 
 def test_shutdown_timeout_where_vllm_ignores_the_variable(monkeypatch, capsys):
     monkeypatch.setattr(serve_args, "engine_wait_from_env", lambda: False)
-    assert serve_args.shutdown_args([], 7.5) == ["--shutdown-timeout", "38"]
+    assert serve_args.shutdown_args([], 7.5) == ["--shutdown-timeout", "46"]
     assert serve_args.shutdown_args(["--shutdown-timeout", "600"], 7.5) == []
     assert capsys.readouterr().err == ""
     assert serve_args.shutdown_args(["--shutdown-timeout=10"], 120) == []
@@ -232,9 +237,9 @@ def test_launch_exports_the_window(tmp_path, capsys, monkeypatch):
     argv = [model, "--dry-run", "--", "--kv-transfer-config", extra]
     assert launch.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[:2] == ["Would run:", f"export {serve_args.SHUTDOWN_ENV}=330"]
+    assert lines[:2] == ["Would run:", f"export {serve_args.SHUTDOWN_ENV}=630"]
     calls = []
     monkeypatch.setattr(launch.os, "execvp", lambda file, args: calls.append(args))
     monkeypatch.setattr(launch, "gpu_visible", lambda: True)  # no GPU here
     assert launch.main(argv[:1] + argv[2:]) == 0
-    assert calls and os.environ[serve_args.SHUTDOWN_ENV] == "330"
+    assert calls and os.environ[serve_args.SHUTDOWN_ENV] == "630"

@@ -150,8 +150,9 @@ def _has_flashinfer() -> bool:
 # On SIGINT/SIGTERM vLLM's API server stops its engine core processes: SIGTERM, then SIGKILL
 # after a wait. With --shutdown-timeout 0 (vLLM's default: abort what is running) that wait is
 # 0 s on 0.33.0 and 0.34.0 unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, and 5 s on
-# 0.20.1, which does not read that variable there. The connector needs shutdown_drain_s to
-# write every answered request's file, plus vLLM's own teardown.
+# 0.20.1, which does not read that variable there. With the connector configured the plugin
+# turns --shutdown-timeout 0 into shutdown_window() itself (patch/shutdown.py: vLLM's drain
+# mode); the launcher's flags and environment say the same for the worker processes.
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 TEARDOWN_S = 30
 
@@ -166,8 +167,9 @@ def drain_seconds(kv_transfer_config: dict) -> float:
 
 
 def shutdown_window(drain_s: float) -> int:
-    """Seconds an engine core process needs between SIGTERM and exit."""
-    return math.ceil(drain_s) + TEARDOWN_S
+    """Seconds an engine core process needs between SIGTERM and exit: ``drain_s`` for the
+    running requests to finish, ``drain_s`` for their files, and vLLM's teardown."""
+    return 2 * math.ceil(drain_s) + TEARDOWN_S
 
 
 def engine_wait_from_env() -> bool:

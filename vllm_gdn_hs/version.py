@@ -45,6 +45,13 @@ NEEDS_OVERRIDES = ("0.34.0",)
 #   CUDA-graph accuracy test and eager 27B runs did (tests/results/README.md). From
 #   V2_DEFAULT_FROM, V2 is the default (0.34.0: the only runner).
 MODEL_RUNNER_V2_FROM = "0.33.0"
+# Shutdown (patch/shutdown.py): every release from 0.20.1 to 0.34.0 has vLLM's drain mode
+# (VllmConfig.shutdown_timeout > 0: EngineCoreProc._handle_shutdown keeps stepping, new requests
+# are refused, the engine core is killed shutdown_timeout s after SIGTERM), which the plugin turns
+# on for its connector also under plain `vllm serve`. The API server answers new requests with
+# HTTP 503 where vLLM has GracefulHTTPError (0.33.0, 0.34.0; 0.20.1 has not: there the engine
+# core refuses them, answered with hidden_states_error). 0.33.0 on reads
+# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine core; 0.20.1 does not (serve_args.py).
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
 # A vLLM newer than the newest release in RELEASES is untested: refused by default, run with

@@ -9,6 +9,8 @@ through the burst with requests still running. Then `vllm-gdn-hs check` must fin
 every answered path must be a complete file with its prompt's token ids, and the connector's
 shutdown line must be in the server log with nothing lost. Cases: SIGINT to the process group
 (Ctrl-C), SIGTERM to the process group (Slurm), SIGTERM to the API server alone.
+Then 64 requests in flight, SIGTERM (and a SIGINT 1 s later) while they run, through the
+launcher and through plain `vllm serve`: see the section below; it writes tests/results/.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -133,3 +136,163 @@ def test_stopped_at_once_loses_no_answered_file(tmp_path, tiny_model, sig, group
     shut = re.findall(r"HybridHiddenStatesConnector: (shut down; .*)", text)
     assert shut and "lost at shutdown" not in shut[-1], text[-4000:]
     assert int(re.match(r"shut down; (\d+) files", shut[-1])[1]) >= len(answered), shut[-1]
+
+
+# -- SIGTERM with requests running: every one answered with its file or with the reason -------
+# A burst of 64 in flight (long decodes), SIGTERM to the server's process group while they run,
+# optionally a SIGINT 1 s later; through the launcher and through plain `vllm serve` naming the
+# connector. Each request must end with a complete exact file or hidden_states_error (or HTTP
+# 503 for one sent after the signal): no hung client, no answer without either. The server
+# must exit within the drain window + 10 s and `vllm-gdn-hs check` find nothing wrong. The
+# figures go to tests/results/.
+
+DRAIN_S = 20  # shutdown_drain_s: window W = 2 x 20 + 30 = 70 s (serve_args.shutdown_window)
+IN_FLIGHT = 64  # request i decodes 16 + 64 * (i % 8) tokens: most still run at the signal
+
+
+def _plain_serve(model: str, storage, log):
+    extra = {"shared_storage_path": str(storage), "layer_ids": [*LAYERS, 8]}
+    extra |= {"shutdown_drain_s": DRAIN_S, "write_workers": 1}
+    kv = {"kv_connector": "HybridHiddenStatesConnector", "kv_role": "kv_producer"}
+    port = launched.free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port)]
+    cmd += ["--host", "127.0.0.1"]
+    cmd += ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048", "--enforce-eager"]
+    cmd += ["--additional-config", launched.TRITON_GDN, "--skip-tokenizer-init"]
+    cmd += ["--kv-transfer-config", json.dumps(kv | {"kv_connector_extra_config": extra})]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _ask(url: str, model: str, prompt: list[int], decode: int, timeout: float) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": decode, "temperature": 0}
+    body |= {"return_token_ids": True, "ignore_eos": True}
+    body["kv_transfer_params"] = {"include_output_tokens": True}
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.load(r)
+    except urllib.error.HTTPError as e:
+        return {"status": e.code, "t": time.monotonic()}
+    except OSError as e:  # refused once the server has stopped listening, or hung: timeout
+        return {"error": str(e), "t": time.monotonic()}
+    choice = out["choices"][0]
+    kv = out.get("kv_transfer_params") or {}
+    return {"status": 200, "kv": kv, "outputs": choice.get("token_ids"), "t": time.monotonic()}
+
+
+def _save(name: str, record: dict) -> None:
+    import vllm
+
+    from vllm_gdn_hs.version import runner_in_use
+
+    gpu = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=launched_root()
+    ).stdout.strip() or os.environ.get("VLLM_GDN_HS_COMMIT", "unknown")
+    record = dict(
+        date=time.strftime("%Y-%m-%d"), commit=commit, vllm=vllm.__version__,
+        runner=runner_in_use(), gpu=gpu, gdn_kernels="triton prefill (gdn_prefill_backend)",
+        settings=dict(shutdown_drain_s=DRAIN_S, in_flight=IN_FLIGHT, decode="16 + 64 * (i % 8)",
+                      prompt=PROMPT, write_workers=1, enforce_eager=True),
+    ) | record  # fmt: skip
+    folder = os.path.join(launched_root(), "tests", "results")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{record['date']}-vllm{vllm.__version__}-shutdown-{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def launched_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["SIGTERM", "SIGTERM-then-SIGINT"])
+@pytest.mark.parametrize("how", ["launcher", "plain-vllm-serve"])
+def test_sigterm_with_requests_running_answers_each_with_file_or_reason(
+    tmp_path, tiny_model, how, second
+):
+    from vllm_gdn_hs.serve_args import shutdown_window
+
+    window = shutdown_window(DRAIN_S)
+    storage, log_path = tmp_path / "hs", tmp_path / "server.log"
+    log = open(log_path, "w")
+    if how == "launcher":
+        extra = {"kv_connector_extra_config": {"write_workers": 1, "shutdown_drain_s": DRAIN_S}}
+        serve = ["--skip-tokenizer-init", "--kv-transfer-config", json.dumps(extra)]
+        proc, url = launched.start(tiny_model, storage, LAYERS, log, *serve)
+    else:
+        proc, url = _plain_serve(tiny_model, storage, log)
+    launched.wait_healthy(proc, url, log_path)
+    model = json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"]
+    rng = random.Random(1)
+    prompts = [rng.choices(range(3, 1000), k=PROMPT) for _ in range(IN_FLIGHT + 8)]
+    answers, lock, signalled = {}, threading.Lock(), {}
+
+    def one(i):
+        if i >= IN_FLIGHT:  # sent after the signal
+            while "t" not in signalled:
+                time.sleep(0.05)
+            time.sleep(0.5 + 0.1 * (i - IN_FLIGHT))
+        answers[i] = _ask(url, model, prompts[i], 16 + 64 * (i % 8), timeout=window + 30)
+
+    def signaller():
+        while sum(1 for a in list(answers.values()) if a.get("status") == 200) < 1:
+            time.sleep(0.01)  # some answered, the rest mid-decode
+        with lock:
+            signalled["t"] = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)
+        if second:
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGINT)
+
+    try:
+        sig_thread = threading.Thread(target=signaller, daemon=True)
+        sig_thread.start()
+        with ThreadPoolExecutor(IN_FLIGHT + 8) as pool:
+            list(pool.map(one, range(IN_FLIGHT + 8)))
+        rc = proc.wait(window + 10 + 30)
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    text = log_path.read_text(errors="replace")
+    exit_s = exited - signalled["t"]
+    kinds = {"file": 0, "hidden_states_error": 0, "503": 0, "refused_after_exit": 0}
+    for i, a in sorted(answers.items()):
+        if a.get("status") == 200:
+            kv = a["kv"]
+            assert ("hidden_states_path" in kv) != ("hidden_states_error" in kv), (i, kv)
+            if "hidden_states_path" in kv:
+                path = kv["hidden_states_path"]
+                seq = prompts[i] + a["outputs"][:-1]
+                assert load_file(path)["token_ids"].tolist() == seq, path
+                assert not files.lock_held(path + files.LOCK_SUFFIX)
+                kinds["file"] += 1
+            else:
+                kinds["hidden_states_error"] += 1
+        elif a.get("status") == 503 and i >= IN_FLIGHT:
+            kinds["503"] += 1
+        else:  # a client that never got an answer: only a late one, after the server left
+            assert i >= IN_FLIGHT and "timed out" not in a.get("error", ""), (i, a)
+            kinds["refused_after_exit"] += 1
+    check = subprocess.run(
+        [sys.executable, "-m", "vllm_gdn_hs.cli", "check", str(storage)],
+        capture_output=True,
+        text=True,
+    )
+    name = f"{how}-{'sigterm-sigint' if second else 'sigterm'}"
+    _save(name, dict(case=name, rc=rc, exit_s=round(exit_s, 1), window_s=window, answers=kinds,
+                     check_rc=check.returncode, shut_down=re.findall(
+                         r"HybridHiddenStatesConnector: (shut down; .*)", text)))  # fmt: skip
+    assert exit_s <= window + 10, (exit_s, text[-4000:])
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert kinds["file"] >= 1, (kinds, text[-4000:])
+    assert "draining:" in text, text[-4000:]

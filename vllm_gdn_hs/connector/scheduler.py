@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# What an aborted request's response says; the shutdown patch (patch/shutdown.py) names the
+# shutdown's own reasons.
+ABORTED = "the request was aborted before it finished (client gone, or the server stopping)"
+
 
 class HybridHiddenStatesConnectorScheduler:
     def __init__(
@@ -44,6 +48,10 @@ class HybridHiddenStatesConnectorScheduler:
         self._paths: dict[str, tuple[str, int, bool]] = {}
         self._refused: dict[str, str] = {}  # request id -> why it gets no file
         self._finished: list[FinishedRequest] = []
+        self.abort_reason = ABORTED
+        # request id -> its response's kv_transfer_params, for vLLM's abort output (which
+        # carries none of its own); kept until the next step
+        self.aborted: dict[str, dict[str, Any]] = {}
         # -- storage seam: the mooncake backend names objects, not files --
         self.keys = None
         if cfg.mooncake is not None:
@@ -136,6 +144,7 @@ class HybridHiddenStatesConnectorScheduler:
     def build_meta(self, scheduler_output: SchedulerOutput) -> HybridHiddenStatesConnectorMetadata:
         meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)
         self._finished = []
+        self.aborted.clear()  # vLLM sends abort outputs right after finish_requests
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id not in self._paths:
                 continue
@@ -149,19 +158,24 @@ class HybridHiddenStatesConnectorScheduler:
         """The response's ``kv_transfer_params``; the worker is told next step."""
         from vllm.v1.request import RequestStatus
 
-        if (why := self._refused.pop(request.request_id, None)) is not None:
+        req_id = request.request_id
+        path, _, include_output_tokens = self._paths.pop(req_id, (None, 0, False))
+        why = self._refused.pop(req_id, None)
+        if request.status == RequestStatus.FINISHED_ABORTED:  # never a bare answer
+            if path is not None:
+                self._finished.append(FinishedRequest(req_id, None))
+            why = why or f"no hidden states: {self.abort_reason}"
+            self.aborted[req_id] = {"hidden_states_error": why}
+            return self.aborted[req_id]
+        if why is not None:
             return {"hidden_states_error": why}
-        path, _, include_output_tokens = self._paths.pop(request.request_id, (None, 0, False))
         if path is None:
-            return None
-        if request.status == RequestStatus.FINISHED_ABORTED:
-            self._finished.append(FinishedRequest(request.request_id, None))
             return None
         if include_output_tokens:
             token_ids = list(request.all_token_ids[:-1])  # the last one was never run
         else:
             token_ids = list(request.prompt_token_ids or ())
-        self._finished.append(FinishedRequest(request.request_id, token_ids))
+        self._finished.append(FinishedRequest(req_id, token_ids))
         if self.keys is not None:  # hs-connectors' v1 manifest; path is the key
             from vllm_gdn_hs.connector.mooncake_store import manifest
 

@@ -97,26 +97,31 @@ def runtime_patches() -> dict[str, Patch]:
     Each module takes the vLLM methods it wraps when imported, and checks what else it reads
     (:func:`require`). On an untested newer vLLM one that is gone is the probe's answer:
     UnsupportedVllmError names it, before any patch is applied."""
-    patches = {}
-    for name in patches_for():
-        try:
-            patches[name] = importlib.import_module(f"{__name__}.{name}").PATCH
-        except (AttributeError, ImportError) as e:
-            if not is_untested():
-                raise
-            raise UnsupportedVllmError(
-                f"vllm {installed_vllm()} lacks what the runtime patch {name} needs "
-                f"({type(e).__name__}: {e}). Install the newest tested release: "
-                f"{install_command(RELEASES[-1])}"
-            ) from e
-    return patches
+    return {name: _module(name).PATCH for name in patches_for()}
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except (AttributeError, ImportError) as e:
+        if not is_untested():
+            raise
+        raise UnsupportedVllmError(
+            f"vllm {installed_vllm()} lacks what the runtime patch {name} needs "
+            f"({type(e).__name__}: {e}). Install the newest tested release: "
+            f"{install_command(RELEASES[-1])}"
+        ) from e
 
 
 def apply_patches() -> list[str]:
     """Apply the patches the installed vLLM needs (once per process)."""
     if _applied:
         return list(_applied)
-    for name, patch in runtime_patches().items():
+    patches = runtime_patches()
+    shutdown = _module("shutdown").PATCHES  # the drain at shutdown (no source twin)
+    for name, patch in patches.items():
         patch.apply()
         _applied.append(name)
+    for patch in shutdown:
+        patch.apply()
     return list(_applied)

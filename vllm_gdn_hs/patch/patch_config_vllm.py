@@ -114,6 +114,10 @@ def __post_init__(self: VllmConfig) -> None:
     ):
         self.scheduler_config.disable_hybrid_kv_cache_manager = False
     _orig_post_init(self)
+    if is_ours(kv):
+        from vllm_gdn_hs.patch.shutdown import set_window
+
+        set_window(self)  # the engine core's time to drain at SIGINT/SIGTERM
     if is_ours(kv) and self.model_config is not None:
         from vllm_gdn_hs.connector.checks import validate_vllm_config
 
