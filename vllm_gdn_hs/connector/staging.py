@@ -72,17 +72,35 @@ class HostSlot:
         self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
-        """Start copying one layer's rows [tokens, H] into a layer-major slot, on the current
-        stream: the allocator reuses ``rows`` only after the copy, so it can be freed now."""
-        self.layers[column].copy_(rows, non_blocking=rows.is_cuda)
+        """Start copying one layer's rows [tokens, H] into a layer-major slot, on the ring's
+        side stream once the compute stream has made them, so the forward pass does not wait
+        for the copy; ``record_stream`` keeps the allocator from reusing ``rows`` before the
+        copy is done, so the caller may drop them at once. On CPU, a plain copy."""
+        stream = self.ring.stream
+        if stream is None or not rows.is_cuda:
+            self.layers[column].copy_(rows)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.layers[column].copy_(rows, non_blocking=True)
+        rows.record_stream(stream)
 
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
-        """The norms and positions of a layer-major slot, after its layers; ``copied`` then
-        marks all of its copies done (they are all on the current stream)."""
-        self.norms.copy_(norms, non_blocking=norms.is_cuda)
-        self.positions.copy_(positions, non_blocking=positions.is_cuda)
-        if self.copied is not None:
-            self.copied.record()
+        """The norms and positions of a layer-major slot, after its layers, on the same side
+        stream; ``copied`` then marks all of the slot's copies done."""
+        stream = self.ring.stream
+        if stream is None:
+            self.norms.copy_(norms)
+            self.positions.copy_(positions)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.norms.copy_(norms, non_blocking=True)
+            self.positions.copy_(positions, non_blocking=True)
+            self.copied.record(stream)
+        for t in (norms, positions):  # made on the compute stream, read on the side stream
+            if t.is_cuda:
+                t.record_stream(stream)
 
 
 class HostRing:

@@ -10,9 +10,11 @@ vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one alive until th
 ends, so at the last layers' activation peak five of six [tokens, hidden] copies are alive
 (0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing, and 1.75 times that out
 of the KV cache with its margin). In a step that runs eager the sink takes each one as the
-model makes it: its rows start for pinned host memory on the compute stream and the model keeps
-an empty placeholder, so the copy is freed at once. CUDA-graph steps (at most the largest
-capture size) keep the stacked hand-over: a graph would bake one host address into every replay.
+model makes it: its rows start for pinned host memory on the staging ring's side stream (after
+the compute stream made them, so the forward pass does not wait for the copy) and the model
+keeps an empty placeholder, so the copy is freed as soon as it is copied. CUDA-graph steps (at
+most the largest capture size) keep the stacked hand-over: a graph would bake one host address
+into every replay.
 """
 
 from __future__ import annotations
