@@ -38,7 +38,15 @@ from dataclasses import dataclass
 
 import worker
 from host import gpu_mem_used_mib, wait_gpu_released
-from logparse import cut_detail, error_summary, kv_cache_info, strip_ansi, writer_info
+from logparse import (
+    cut_detail,
+    error_summary,
+    gdn_backend_info,
+    kv_cache_info,
+    strip_ansi,
+    warmup_info,
+    writer_info,
+)
 from plan import Plan, announce, common_fields, make_plan, print_workloads
 from records import (
     BUSY_GPU_MIB,
@@ -50,6 +58,7 @@ from records import (
     TIMED_OUT,
     load_records,
     merge_results,
+    settings,
 )
 from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write_model_dir
 
@@ -160,6 +169,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.9,
         help="0: leave it to vLLM (0.34.0: the extensible KV cache, sized after warm-up)",
     )
+    p.add_argument(
+        "--gdn-backends",
+        default="default",
+        help="comma list of GDN prefill backends, each variant runs with each: default (vLLM's "
+        "choice: on Hopper flashinfer's kernel), triton, flashinfer, cutedsl",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=0, help="tokens per step (0: vLLM's default)"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="requests at once (0: vLLM's default; 27B with CUDA graphs on one H100 needs 256)",
+    )
     p.add_argument("--hf-batch-sizes", default="1,4,8,16")
     p.add_argument(
         "--extra-engine-kwargs",
@@ -236,6 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"no default layer ids for {n} layers: pass --layers")
     if not all(0 <= k <= n for k in args.layers):
         p.error(f"--layers must lie in 0..{n} for the {args.shape} shape ({n} layers)")
+    args.gdn_backends = [b.strip() for b in args.gdn_backends.split(",") if b.strip()]
+    if not args.gdn_backends:
+        p.error("--gdn-backends: give at least one (default, triton, ...)")
     args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",")]
     for name in ("extra_engine_kwargs", "connector_config"):
         try:
@@ -269,7 +296,8 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
     """Run one variant's worker (unless it cannot run or start) and return its records, one
     per workload (per batch size for hf): the worker's, and error records for the rest."""
     variant, spec = plan.variant, plan.spec
-    log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{plan.mode}.log")
+    backend = spec.get("gdn_backend", "default")
+    log_path = os.path.join(args.log_dir, f"{args.shape}-{variant}-{backend}-{plan.mode}.log")
     t0 = time.time()
     timeout = budget.timeout(args.timeout, t0)
     out_of_budget = not budget.allows(t0)
@@ -319,14 +347,44 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
                 VLLM_PLUGINS=plan.env.get("VLLM_PLUGINS"),
             ),
             **(kv_cache_info(log) if variant != "hf" else {}),
+            **(warmup_info(log) if variant != "hf" else {}),
             **(writer_info(log) if variant in OURS else {}),
         )
+        if variant != "hf":
+            r.update(engine_fields(r, spec, log))
         if r["status"] != OK:
             summary = error_summary(r["error"], log)
             r.update(error_summary=summary, note=summary, log_tail=tail)
     if variant != "hf" and rc == 0:
         budget.slowest_s = max(budget.slowest_s, time.time() - t0)
     return records
+
+
+def engine_fields(r: dict, spec: dict, log: str) -> dict:
+    """What every vLLM record names at its top level: the GDN prefill backend vLLM used (from
+    its log; else the one requested), and the step, batch, cache and sizing settings (as vLLM's
+    config says where the worker read it, else as requested; None: vLLM's default)."""
+    engine = r.get("engine_config") if isinstance(r.get("engine_config"), dict) else {}
+    requested = spec.get("gdn_backend", "default")
+    gdn = gdn_backend_info(log)
+    gmu = engine.get("gpu_memory_utilization", spec["gpu_memory_utilization"] or None)
+    return dict(
+        gdn_backend_requested=requested,
+        gdn_prefill_backend=gdn.get("gdn_prefill_backend") or f"{requested} (requested)",
+        gdn_prefill_backend_source="vllm log" if gdn else "requested",
+        max_num_batched_tokens=engine.get(
+            "max_num_batched_tokens", spec.get("max_num_batched_tokens") or None
+        ),
+        max_num_seqs=engine.get("max_num_seqs", spec.get("max_num_seqs") or None),
+        prefix_caching=engine.get("prefix_caching", False),
+        kv_sizing=(
+            "extensible KV cache"
+            if engine.get("extensible_kv_cache")
+            else f"gpu_memory_utilization {gmu}"
+        ),
+        runner=engine.get("model_runner"),
+        settings=settings(spec),
+    )
 
 
 def print_summary(records: list[dict], results: str) -> None:
@@ -338,7 +396,8 @@ def print_summary(records: list[dict], results: str) -> None:
             res = (
                 f"{r['prompt_tokens'] / r['gen_s']:9,.0f} tok/s  "
                 f"files ready {r['files_ready_s']:6.2f} s  files {r['files']}  "
-                f"KV {r.get('kv_cache_tokens')}  peak {r['peak_gpu_mib']} MiB"
+                f"KV {r.get('kv_cache_tokens')} ({r.get('kv_cache_blocks')} blocks, warm-up "
+                f"peak {r.get('warmup_allocated_peak_gib')} GiB)  peak {r['peak_gpu_mib']} MiB"
             )
         bs = r.get("batch_size", "-")
         print(f"  {r['variant']:9s} {r['workload']:13s} bs={bs!s:3s} {res}")
@@ -359,15 +418,21 @@ def main(argv: list[str] | None = None) -> int:
     print_workloads(args)
     tmpdir = tempfile.mkdtemp(prefix="vllm_gdn_hs_bench_")
     budget, summary = Budget(args.budget, started + args.budget), []
-    for variant in args.variants:
-        plan = make_plan(args, variant, model_dir, tmpdir, __file__)
-        announce(plan, args)
-        if args.dry_run:
-            continue
-        records = run_variant(args, plan, budget, common)
-        merge_results(args.results, records)
-        summary += records
-        print(f"[bench] {variant}: {len(records)} records -> {args.results}", flush=True)
+    for backend in args.gdn_backends:  # one engine start per variant and backend
+        for variant in args.variants:
+            if variant == "hf" and backend != args.gdn_backends[0]:
+                continue  # transformers has no GDN backend choice: once is enough
+            plan = make_plan(args, variant, model_dir, tmpdir, __file__, backend)
+            announce(plan, args)
+            if args.dry_run:
+                continue
+            records = run_variant(args, plan, budget, common)
+            merge_results(args.results, records)
+            summary += records
+            print(
+                f"[bench] {variant} (GDN {backend}): {len(records)} records -> {args.results}",
+                flush=True,
+            )
     if args.dry_run:
         print(f"[bench] dry run: worker specs kept in {tmpdir}")
         return 0

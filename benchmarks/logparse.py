@@ -7,6 +7,17 @@ import re
 
 KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+# vLLM 0.34.0's extensible KV cache, after its warm-up (vllm/v1/worker/extensible_kv_cache.py):
+# "Memory after warmup: F GiB free, C GiB committed to the KV cache, T GiB kept for transient
+# activations (P GiB allocated at peak, R GiB of torch reservation growth); N KV cache blocks"
+WARMUP_RE = re.compile(
+    r"Memory after warmup: ([-\d.,]+) GiB free, ([-\d.,]+) GiB committed to the KV cache, "
+    r"([-\d.,]+) GiB kept for transient activations \(([-\d.,]+) GiB allocated at peak, "
+    r"([-\d.,]+) GiB of torch reservation growth\); (\d+) KV cache blocks"
+)
+# "Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128)." (qwen_gdn_linear_attn)
+GDN_RE = re.compile(r"Using (.+?) GDN prefill kernel \((?:requested=([^,)]+))?")
+GDN_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": "triton"}
 # The writer's last progress or shutdown line: files, bytes, its host cost per engine step
 # (WriterStats.progress_line / shutdown_line in vllm_gdn_hs/connector/stats.py; in-process
 # benchmarks read the WriterStats object itself, through the worker's stats).
@@ -30,6 +41,36 @@ def kv_cache_info(log: str) -> dict:
     return dict(
         kv_cache_tokens=int(size[-1].replace(",", "")) if size else None,
         max_concurrency=float(conc[-1][1]) if conc else None,
+    )
+
+
+def warmup_info(log: str) -> dict:
+    """The extensible KV cache's figures after vLLM's warm-up (the last such line), in GiB:
+    the transient activations' peak ("allocated at peak") is what extraction may add to."""
+    found = WARMUP_RE.findall(log)
+    if not found:
+        return {}
+    free, kv, kept, peak, growth, blocks = found[-1]
+    gib = [float(x.replace(",", "")) for x in (free, kv, kept, peak, growth)]
+    return dict(
+        warmup_free_gib=gib[0],
+        warmup_kv_cache_gib=gib[1],
+        warmup_transient_kept_gib=gib[2],
+        warmup_allocated_peak_gib=gib[3],
+        warmup_torch_growth_gib=gib[4],
+        kv_cache_blocks=int(blocks),
+    )
+
+
+def gdn_backend_info(log: str) -> dict:
+    """The GDN prefill kernel vLLM chose, from its log line (None when the log has none)."""
+    found = GDN_RE.findall(log)
+    if not found:
+        return {}
+    name, requested = found[-1]
+    return dict(
+        gdn_prefill_backend=GDN_NAMES.get(name, name.lower()),
+        gdn_prefill_backend_requested_vllm=requested or None,
     )
 
 

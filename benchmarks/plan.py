@@ -88,11 +88,21 @@ def variant_env(variant: str) -> dict:
 
 
 def make_plan(
-    args: argparse.Namespace, variant: str, model_dir: str, tmpdir: str, bench_py: str
+    args: argparse.Namespace,
+    variant: str,
+    model_dir: str,
+    tmpdir: str,
+    bench_py: str,
+    gdn_backend: str = "default",
 ) -> Plan:
-    """One variant's plan; its spec is written to tmpdir for the worker command."""
+    """One variant's plan with one GDN prefill backend ("default": vLLM's choice); its spec is
+    written to tmpdir for the worker command."""
+    name = variant if gdn_backend == "default" else f"{variant}-{gdn_backend}"
     spec = dict(
         variant=variant,
+        gdn_backend=gdn_backend,
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
+        max_num_seqs=getattr(args, "max_num_seqs", 0),
         shape=args.shape,
         model_dir=model_dir,
         layers=args.layers,
@@ -107,9 +117,9 @@ def make_plan(
         seed=args.seed,
         drain_timeout=args.drain_timeout,
         mooncake_segment_gib=args.mooncake_segment_gib,
-        result_file=os.path.join(tmpdir, f"{variant}.json"),
+        result_file=os.path.join(tmpdir, f"{name}.json"),
     )
-    spec_path = os.path.join(tmpdir, f"{variant}-spec.json")
+    spec_path = os.path.join(tmpdir, f"{name}-spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f, indent=1)
     return Plan(

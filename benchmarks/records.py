@@ -121,3 +121,25 @@ def merge_results(path: str, new: list[dict]) -> None:
     with open(tmp, "w") as f:
         json.dump({"records": records + new}, f, indent=1)
     os.replace(tmp, path)
+
+
+def settings(spec: dict) -> dict:
+    """The engine settings of a worker spec that two records must share for one to be divided
+    by the other (report.py): GDN prefill backend, step and batch sizes, context, KV sizing,
+    mode, extra engine arguments, seed. Specs written before a setting existed read as what
+    ran then (the GDN backend was forced to triton; None: vLLM's default)."""
+    return dict(
+        gdn_backend=spec.get("gdn_backend", "triton"),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens") or None,
+        max_num_seqs=spec.get("max_num_seqs") or None,
+        max_model_len=spec.get("max_model_len"),
+        gpu_memory_utilization=spec.get("gpu_memory_utilization"),
+        extra_engine_kwargs=spec.get("extra_engine_kwargs") or {},
+        eager=spec.get("eager"),
+        seed=spec.get("seed"),
+    )
+
+
+def record_settings(r: dict) -> dict:
+    """A record's engine settings: its own field, else read from the spec in its flags."""
+    return r.get("settings") or settings(r.get("flags", {}).get("spec", {}))

@@ -5,9 +5,10 @@ benchmarks/README.md.
         --md benchmarks/results/README-table.md --png benchmarks/results/throughput.png --readme
 
 Rows: the latest record per (GPU, shape, layers, workload, variant, vLLM version, mode, write
-target, batch size); for hf, the best batch size. "x plain" divides by plain vLLM's tok/s on the
-same GPU, shape, workload, vLLM version and mode, measured in the same run where the records
-carry one (bench.py --run; hf: plain eager on the newest vLLM in the file). "% roofline": see
+target, GDN backend, batch size); for hf, the best batch size. "x plain" divides by plain
+vLLM's tok/s of the same run only (bench.py --run), with the same GPU, commit, shape, workload,
+vLLM version, mode and engine settings (hf: plain eager of its run); where the run has no such
+plain record the ratio is blank and the row says why (:func:`pair`). "% roofline": see
 roofline.py. The plot needs matplotlib; without it only the Markdown is written.
 """
 
@@ -28,6 +29,7 @@ from records import (
     VARIANT_ORDER,
     files_ready_s,
     ok,
+    record_settings,
     status,
     status_note,
     tok_s,
@@ -67,6 +69,7 @@ def select(records: list[dict]) -> list[dict]:
             r["versions"]["vllm"],
             r["mode"],
             "none" if r["variant"] in BASELINES else r["write_target"],  # plain writes nothing
+            record_settings(r)["gdn_backend"],
             r.get("batch_size"),
         )
         latest[key] = r
@@ -83,25 +86,44 @@ def select(records: list[dict]) -> list[dict]:
     return rows
 
 
-def plain_for(r: dict, records: list[dict]) -> dict | None:
-    """The plain record to divide by: same GPU, shape, workload, mode and vLLM version (hf: plain
-    eager on the newest vLLM); of those, the one measured in the same run (bench.py --run) when
-    there is one, else the newest."""
-    cands = [
-        p
-        for p in records
-        if p["variant"] == "plain"
-        and ok(p)
-        and p["gpu"] == r["gpu"]
-        and p["shape"] == r["shape"]
-        and p["workload"] == r["workload"]
-        and (p["mode"] == "eager" if r["variant"] == "hf" else p["mode"] == r["mode"])
-        and (r["variant"] == "hf" or p["versions"]["vllm"] == r["versions"]["vllm"])
-    ]
-    same_run = [p for p in cands if r.get("run") and p.get("run") == r["run"]]
-    return max(
-        same_run or cands, key=lambda p: (vkey(p["versions"]["vllm"]), p["date"]), default=None
+def pair(r: dict, records: list[dict]) -> tuple[dict | None, str]:
+    """The plain record to divide ``r`` by, and "" ; or None and why there is none.
+
+    A ratio is only ever taken within one run: the plain record must carry the same run label
+    (bench.py --run), GPU, commit, shape, workload, mode and vLLM version, and for a vLLM
+    variant the same engine settings (records.record_settings: GDN backend, step and batch
+    sizes, KV sizing, ...); hf divides by plain eager of its run. Of several such plain records
+    the newest. A figure of one run is never divided by another run's: where a run lacks its
+    plain row the ratio stays blank."""
+    run = r.get("run")
+    if not run:
+        return None, "no run label, so no plain record of the same run"
+    hf = r["variant"] == "hf"
+    same_run = [p for p in records if p["variant"] == "plain" and p.get("run") == run]
+    if not same_run:
+        return None, f"run {run} has no plain record"
+    checks = (
+        ("GPU", lambda p: p["gpu"] == r["gpu"]),
+        ("commit", lambda p: p.get("commit") == r.get("commit")),
+        ("shape", lambda p: p["shape"] == r["shape"]),
+        ("workload", lambda p: p["workload"] == r["workload"]),
+        ("mode", lambda p: p["mode"] == ("eager" if hf else r["mode"])),
+        ("vLLM version", lambda p: hf or p["versions"]["vllm"] == r["versions"]["vllm"]),
+        ("settings", lambda p: hf or record_settings(p) == record_settings(r)),
+        ("a measured figure", ok),
     )
+    cands = same_run
+    for what, check in checks:
+        kept = [p for p in cands if check(p)]
+        if not kept:
+            return None, f"run {run}'s plain differs in {what}"
+        cands = kept
+    return max(cands, key=lambda p: p["date"]), ""
+
+
+def plain_for(r: dict, records: list[dict]) -> dict | None:
+    """The plain record of the same run to divide by (see :func:`pair`), or None."""
+    return pair(r, records)[0]
 
 
 def fmt(x, spec: str = ",.0f", none: str = "n/a") -> str:
@@ -144,15 +166,21 @@ def conditions(records: list[dict]) -> str:
     def flag(name: str) -> str:
         return uniq(lambda r: r.get("flags", {}).get("spec", {}).get(name))
 
+    def engine(name: str) -> str:
+        return uniq(lambda r: r.get(name))
+
     dates = sorted(r["date"][:10] for r in records)
+    gdn = uniq(lambda r: None if r["variant"] == "hf" else r.get("gdn_prefill_backend", "triton"))
     return (
         f"GPU {uniq(lambda r: r['gpu'])}; runs {dates[0]} to {dates[-1]}; vLLM {ver('vllm')}; "
         f"torch {ver('torch')}; transformers {ver('transformers')}; fla {ver('fla')}; "
         f'vllm-gdn-hs {ver("vllm_gdn_hs")}. Dummy weights (`load_format="dummy"`), bf16, '
-        "`language_model_only`, prefix caching off, `gdn_prefill_backend=triton`, "
+        f"`language_model_only`, prefix caching off, GDN prefill backend {gdn}, "
         "`VLLM_USE_FLASHINFER_SAMPLER=0`, plain and upstream without vLLM plugins "
         f"(`VLLM_PLUGINS=`), gpu_memory_utilization "
-        f"{flag('gpu_memory_utilization')}, max_model_len {flag('max_model_len')}, extra engine "
+        f"{flag('gpu_memory_utilization')}, max_model_len {flag('max_model_len')}, "
+        f"max_num_batched_tokens {engine('max_num_batched_tokens')}, max_num_seqs "
+        f"{engine('max_num_seqs')}, KV sizing {engine('kv_sizing')}, extra engine "
         f"kwargs {flag('extra_engine_kwargs')}. Random-token prompts, seed {flag('seed')}. "
         f"Roofline: {PEAK_TFLOPS} TFLOP/s bf16 (formula in benchmarks/roofline.py)."
     )
@@ -161,7 +189,7 @@ def conditions(records: list[dict]) -> str:
 COLUMNS = (
     "variant | vLLM | mode | write to | tok/s | x plain | % roofline | samples/s | "
     "files ready s | tok/s incl. files ready | KV cache tokens | max concurrency | "
-    "peak GPU GiB | bytes/token | startup s | note"
+    "KV blocks | warm-up peak GiB | GDN prefill | peak GPU GiB | bytes/token | startup s | note"
 )
 
 
@@ -173,8 +201,15 @@ def row(r: dict, records: list[dict]) -> str:
         r["mode"],
         "none" if r["variant"] in BASELINES else f"{r['write_target']} ({r.get('out_fs')})",
     ]
+    blank = ""
+    kv_cells = [
+        fmt(r.get("kv_cache_blocks")),
+        fmt(r.get("warmup_allocated_peak_gib"), ".2f"),
+        "n/a" if hf else r.get("gdn_prefill_backend", "triton"),  # before the field: forced
+    ]
     if ok(r):
-        plain = plain_for(r, records)
+        plain, why = pair(r, records)
+        blank = f"x plain blank: {why}" if why else ""
         ready = files_ready_s(r)
         total = r["gen_s"] + (ready or 0)
         peak = r.get("peak_gpu_mib")
@@ -187,13 +222,14 @@ def row(r: dict, records: list[dict]) -> str:
             fmt(r["prompt_tokens"] / total),
             fmt(r.get("kv_cache_tokens")),
             fmt(r.get("max_concurrency"), ".1f"),
+            *kv_cells,
             fmt(peak / 1024 if peak else None, ".1f"),
             fmt(r["bytes_written"] / r["processed_tokens"]) if r.get("files") else "0",
         ]
     else:
         cells += ["n/a"] * 6 + [fmt(r.get("kv_cache_tokens")), fmt(r.get("max_concurrency"), ".1f")]
-        cells += ["n/a", "n/a"]
-    cells += [fmt(r.get("startup_s"), ".0f"), note(r)]
+        cells += [*kv_cells, "n/a", "n/a"]
+    cells += [fmt(r.get("startup_s"), ".0f"), "; ".join(x for x in (note(r), blank) if x)]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -260,7 +296,7 @@ def summary(rows: list[dict], records: list[dict]) -> str:
         (r for r in rows if r["variant"] == "hf" and ok(r)),
         key=lambda r: (r["gpu"], -r["model"]["hidden_size"], workload_order(r["workload"], rows)),
     )
-    hf_best = {(r["gpu"], r["shape"], r["workload"]): tok_s(r) for r in hf_rows}
+    hf_best = {(r["gpu"], r["shape"], r["workload"], r.get("run")): tok_s(r) for r in hf_rows}
     out = [
         "| model, workload | variant | mode | write to | tok/s | x plain | x HF | "
         "KV cache tokens (x plain) | files ready s | commit, run |",
@@ -279,8 +315,12 @@ def summary(rows: list[dict], records: list[dict]) -> str:
         )
 
     for r in sorted(extraction, key=order):
-        m, plain = r["model"], plain_for(r, records)
-        hf = hf_best.get((r["gpu"], r["shape"], r["workload"]))
+        m, (plain, why) = r["model"], pair(r, records)
+        hf = (
+            hf_best.get((r["gpu"], r["shape"], r["workload"], r.get("run")))
+            if r.get("run")
+            else None
+        )
         kv = fmt(r.get("kv_cache_tokens"))
         if plain and r.get("kv_cache_tokens") and plain.get("kv_cache_tokens"):
             kv += f" ({r['kv_cache_tokens'] / plain['kv_cache_tokens']:.1%})"
@@ -294,7 +334,9 @@ def summary(rows: list[dict], records: list[dict]) -> str:
                     r["mode"],
                     f"{r['write_target']} ({r.get('out_fs')})",
                     fmt(tok_s(r)),
-                    f"{tok_s(r) / tok_s(plain):.3f} ({fmt(tok_s(plain))})" if plain else "n/a",
+                    f"{tok_s(r) / tok_s(plain):.3f} ({fmt(tok_s(plain))})"
+                    if plain
+                    else f"n/a ({why})",
                     f"{tok_s(r) / hf:.2f}" if hf else "n/a",
                     kv,
                     fmt(files_ready_s(r), ".2f"),
@@ -308,6 +350,8 @@ def summary(rows: list[dict], records: list[dict]) -> str:
         f"{fmt(tok_s(r))} tok/s, {r.get('hf_batch_note', '')}"
         for r in hf_rows
     ]
+    if any(r["variant"] == "hf" for r in rows):
+        notes.append("x HF divides only by HF transformers of the same run: blank otherwise")
     return "\n".join([*out, "", *(f"- {n}" for n in notes)])
 
 

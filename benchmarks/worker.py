@@ -63,13 +63,18 @@ def engine_kwargs(spec: dict) -> dict:
         skip_tokenizer_init=True,
         dtype="bfloat16",
         enforce_eager=spec["eager"],
-        additional_config={"gdn_prefill_backend": "triton"},
         enable_prefix_caching=False,
         max_model_len=spec["max_model_len"],
         seed=0,
     )
+    backend = spec.get("gdn_backend", "triton")  # specs before --gdn-backends forced triton
+    if backend != "default":  # "default": vLLM chooses (on Hopper flashinfer's kernel)
+        kw["additional_config"] = {"gdn_prefill_backend": backend}
     if spec["gpu_memory_utilization"]:  # 0: vLLM's default (0.34.0: the extensible KV cache)
         kw["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+    for name in ("max_num_batched_tokens", "max_num_seqs"):  # 0 or absent: vLLM's default
+        if spec.get(name):
+            kw[name] = spec[name]
     connector = CONNECTORS.get(spec["variant"])
     if connector:
         from vllm_gdn_hs.config import extraction_config
@@ -106,6 +111,9 @@ def engine_config(llm) -> dict | str:
             # from 0.22.0 vLLM may choose Model Runner V2; 0.34.0 has no other runner
             model_runner="v2" if getattr(c, "use_v2_model_runner", not _has_v1_runner()) else "v1",
             extensible_kv_cache=getattr(c.cache_config, "enable_extensible_kv_cache", False),
+            gpu_memory_utilization=c.cache_config.gpu_memory_utilization,
+            num_gpu_blocks=c.cache_config.num_gpu_blocks,
+            additional_config=c.additional_config,
         )
     except Exception as e:
         return repr(e)

@@ -200,3 +200,101 @@ def test_pyspy_summary_counts_threads_stages_and_leaves():
     assert s["stages"]["execute_model"] == 6 and s["stages"]["sample_tokens"] == 3
     assert s["stages"]["_on_rows"] == 1 and s["leaves"]["fused_add_rms_norm"] == 6
     assert "60.0%  execute_model" in pyspy_summary.render(s)
+
+
+def test_the_chat_workload_is_seeded_and_chat_shaped():
+    """chat: the same lengths and ids for a seed, others for another; most prompts under 1,000
+    tokens with a tail to 8,192, inside [16, 8192], prefill only; the four older workloads keep
+    their lengths (mixed: 405,571 tokens)."""
+    import statistics
+
+    import workloads
+
+    a, b = workloads.make_workload("chat", 0), workloads.make_workload("chat", 0)
+    assert a.lengths == b.lengths and workloads.prompt_ids(a, 0) == workloads.prompt_ids(b, 0)
+    assert workloads.make_workload("chat", 1).lengths != a.lengths
+    n = len(a.lengths)
+    assert n == workloads.CHAT_N and a.max_tokens == 1 and a.output_tokens == 0
+    assert all(16 <= x <= 8192 for x in a.lengths)
+    assert 300 <= statistics.median(a.lengths) <= 500
+    assert sum(x < 1000 for x in a.lengths) >= 0.7 * n
+    assert max(a.lengths) >= 4096  # the long tail
+    ids = workloads.prompt_ids(a, 0)
+    assert [len(p) for p in ids] == a.lengths
+    assert workloads.make_workload("mixed", 0).stats()["prompt_tokens"] == 405_571
+    assert workloads.make_workload("mixed-out256", 0).output_tokens == 256
+    assert workloads.make_workload("32x8192", 0).stats()["prompt_tokens"] == 262_144
+
+
+WARMUP_LINE = (
+    "(EngineCore pid=7) INFO 12-06 10:00:00 [extensible_kv_cache.py:694] Memory after warmup: "
+    "1.5 GiB free, 60.25 GiB committed to the KV cache, 2.41 GiB kept for transient activations "
+    "(2.41 GiB allocated at peak, 0.0 GiB of torch reservation growth); 3861 KV cache blocks "
+    "(60.25 GiB) fit within the requested 71.0 GiB. Torch may reserve up to 5.0 GiB."
+)
+GDN_LINE = (
+    "(EngineCore pid=7) INFO 12-06 10:00:00 [qwen_gdn_linear_attn.py:379] Using FlashInfer GDN "
+    "prefill kernel (requested=auto, head_k_dim=128)."
+)
+
+
+def test_bench_records_name_backend_settings_and_warmup_peak(tmp_path, monkeypatch):
+    """bench.main() with the worker replaced, two GDN backends: one engine start per variant
+    and backend, and every record names the backend vLLM used (from its log; the requested
+    one where the log has none), step and batch sizes, prefix caching, KV sizing, runner, mode,
+    the warm-up peak and KV blocks, date, commit and vLLM version."""
+    starts = []
+
+    def fake_run_child(cmd, log_path, timeout, env):
+        import json
+
+        with open(cmd[-1]) as f:
+            spec = json.load(f)
+        starts.append((spec["variant"], spec["gdn_backend"]))
+        engine = dict(
+            max_num_batched_tokens=16384,
+            max_num_seqs=256,
+            prefix_caching=False,
+            model_runner="v2",
+            extensible_kv_cache=True,
+        )
+        with open(spec["result_file"], "w") as f:
+            stats = bench.make_workload("4x64", 0).stats()
+            measured = dict(gen_s=1.0, files_ready_s=0.0, files=4, peak_gpu_mib=None)
+            json.dump([dict(stats, status="ok", engine_config=engine, **measured)], f)
+        log = WARMUP_LINE + ("\n" + GDN_LINE if spec["gdn_backend"] == "default" else "")
+        return 0, log
+
+    monkeypatch.setattr(bench, "run_child", fake_run_child)
+    results = tmp_path / "r.json"
+    argv = [
+        "--shape", "tiny", "--variants", "plain,ours", "--workloads", "4x64",
+        "--gdn-backends", "default,triton", "--max-num-seqs", "256", "--run", "t1",
+        "--out-dir", str(tmp_path / "hs"), "--model-root", str(tmp_path / "m"),
+        "--log-dir", str(tmp_path / "logs"), "--results", str(results),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    assert starts == [
+        ("plain", "default"), ("ours", "default"), ("plain", "triton"), ("ours", "triton")
+    ]  # fmt: skip
+    recs = records.load_records(str(results))
+    assert len(recs) == 4
+    for r in recs:
+        for field in ("date", "commit", "gpu", "versions", "mode", "run"):
+            assert field in r
+        assert r["mode"] == "cudagraph" and r["runner"] == "v2"
+        assert (r["max_num_batched_tokens"], r["max_num_seqs"]) == (16384, 256)
+        assert r["prefix_caching"] is False and r["kv_sizing"] == "extensible KV cache"
+        assert r["warmup_allocated_peak_gib"] == 2.41 and r["kv_cache_blocks"] == 3861
+        assert r["settings"]["gdn_backend"] == r["gdn_backend_requested"]
+        assert r["settings"]["max_num_seqs"] == 256
+    default = [r for r in recs if r["gdn_backend_requested"] == "default"]
+    assert {r["gdn_prefill_backend"] for r in default} == {"flashinfer"}
+    assert {r["gdn_prefill_backend_source"] for r in default} == {"vllm log"}
+    triton = [r for r in recs if r["gdn_backend_requested"] == "triton"]
+    assert {r["gdn_prefill_backend"] for r in triton} == {"triton (requested)"}
+    spec = triton[0]["flags"]["spec"]
+    assert bench.worker.engine_kwargs(spec)["additional_config"] == {
+        "gdn_prefill_backend": "triton"
+    }
+    assert "additional_config" not in bench.worker.engine_kwargs(default[0]["flags"]["spec"])

@@ -4,7 +4,9 @@ states; CPU only.
 Run: python -m pytest tests/test_patch_worker_gpu_model_runner_v2.py -q   (no GPU, no network)
 Covers (on releases where extraction runs on V2, version.MODEL_RUNNER_V2_FROM): the patch
 replaces V2's methods; ``load_model`` gives the connector's layers to the model and refuses a
-model without aux hidden states; ``profile_run`` allocates the largest step's hand-over; the
+model without aux hidden states; ``profile_run``'s allocated peak covers the largest stacked
+step's hand-over through the real connector; an eager step's rows leave layer by layer (the
+layer sink): its peak is plain's plus one layer's rows, and the files hold the same rows; the
 patched ``execute_model``, between the steps of vLLM's own V2 ``ActiveKVConnector``
 (``pre_forward`` ... ``post_forward``, the order ``sample_tokens`` keeps), hands the real
 worker-side connector each forward pass's rows from vLLM's own V2 ``InputBatch`` (scheduled
@@ -81,22 +83,143 @@ def test_load_model_gives_the_connectors_layers_to_the_model():
             GPUModelRunner.load_model(runner)
 
 
-def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
-    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4))
+class _AuxModel(torch.nn.Module, SupportsEagle3):
+    """The model at the edge, collecting its aux states through vLLM's own
+    ``EagleModelMixin._maybe_add_hidden_state`` as vLLM's Qwen3.5 does: each layer's residual
+    stream is given rows (``states[k]``, exact: residual zero), and each layer allocates an
+    activation temporary of 4 x hidden per token, its peak."""
+
+    def __init__(self):
+        from vllm.model_executor.models.interfaces import EagleModelMixin
+
+        super().__init__()
+        self.inner = type("Inner", (torch.nn.Module, EagleModelMixin), {})()
+
+    def set_aux_hidden_state_layers(self, layers):
+        self.inner._set_aux_hidden_state_layers(layers)
+
+    def forward(self, states: list[torch.Tensor]):
+        aux, zero = [], torch.zeros_like(states[0])
+        for k, h in enumerate(states):
+            activation = torch.empty((h.shape[0], 4 * h.shape[1]), dtype=h.dtype)
+            del activation
+            self.inner._maybe_add_hidden_state(aux, k, h.clone(), zero)
+        return states[-1].clone(), aux
+
+
+def _runner(cfg, model):
+    """A V2 runner as the patched ``__init__`` and ``load_model`` leave it (CPU device)."""
     runner = object.__new__(GPUModelRunner)
     runner.vllm_config, runner.model_config = cfg, cfg.model_config
-    runner.max_num_tokens, runner.device = 64, torch.device("cpu")
-    handed = []
-    spy = lambda vllm_config, rows: handed.append(tuple(rows.shape))  # noqa: E731
-    with (
-        mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None),
-        mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy),
-    ):
-        runner.hidden_states_layer_ids = [8, 1, 4]
-        GPUModelRunner.profile_run(runner, randomize_inputs=False)
-        runner.hidden_states_layer_ids = None
-        GPUModelRunner.profile_run(runner)
-    assert handed == [(64, 3, cfg.model_config.get_hidden_size())]
+    runner.device = torch.device("cpu")
+    runner.max_num_tokens = cfg.scheduler_config.max_num_batched_tokens
+    patch_mod.set_up_extraction(runner, cfg)
+    load = lambda self: setattr(self, "model", model)  # noqa: E731
+    with mock.patch.object(patch_mod, "_orig_load_model", load):
+        GPUModelRunner.load_model(runner)
+    return runner
+
+
+def _eager_step(runner, so, states, batch):
+    """One real step through the patched ``execute_model``, the forward pass on the edge."""
+
+    def forward(self, scheduler_output, *args, **kwargs):
+        hidden, aux = self.model(states)
+        self.execute_model_state = harness.v2_forward_state(batch, aux)
+
+    with mock.patch.object(patch_mod, "_orig_execute_model", forward):
+        GPUModelRunner.execute_model(runner, so)
+    runner.execute_model_state = None  # sample_tokens drops it
+
+
+def _connector(cfg):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    harness._init_dist(cfg)
+    return HybridHiddenStatesConnector(cfg, KVConnectorRole.WORKER)
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_profile_run_peak_covers_a_real_steps_hand_over(hybrid_model, tmp_path, sink):
+    """vLLM sizes the KV cache from profile_run's allocated peak: that peak must cover what the
+    hand-over of the largest step that takes the stacked path allocates, measured the same way,
+    with the connector's real save path (with the sink, the largest CUDA-graph step)."""
+    from live_bytes import LiveBytes
+
+    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
+    from vllm.config import CUDAGraphMode
+
+    cfg.model_config.enforce_eager = False  # CUDA graphs of up to 16 tokens, as on a GPU
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cfg.compilation_config.max_cudagraph_capture_size = 16
+    runner = _runner(cfg, _AuxModel())
+    if not sink:
+        runner.hidden_states_sink = None
+    stacked = 16 if sink else runner.max_num_tokens
+    hidden = cfg.model_config.get_hidden_size()
+    with mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None):
+        with LiveBytes() as profiled:
+            GPUModelRunner.profile_run(runner)
+    conn = _connector(cfg)
+    saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
+    batch = harness.v2_input_batch([("a", 0, stacked)], torch.arange(stacked))
+    try:
+        with LiveBytes() as step:  # the model's outputs, alive during the hand-over, and it
+            outputs = [torch.ones(stacked, hidden, dtype=torch.bfloat16) for _ in range(4)]
+            patch_mod.save_step(runner, harness.v2_forward_state(batch, outputs[1:]))
+            del outputs
+        conn.shutdown()
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
+    assert step.peak > 0 and profiled.peak >= step.peak
+
+
+def test_eager_steps_stream_each_layer_as_the_model_makes_it(hybrid_model, tmp_path):
+    """A step larger than any CUDA graph: each aux state leaves for the pinned slot as the
+    model makes it, so the step's allocated peak (what vLLM's warm-up measures) is plain
+    vLLM's plus at most one layer's rows and the norms; a dummy run drops them the same way;
+    the file holds exactly the rows, layers in the configured order."""
+    from live_bytes import LiveBytes
+
+    layer_ids = (8, 1, 4)
+    cfg = harness.engine_config(hybrid_model, layer_ids=layer_ids, storage=str(tmp_path))
+    hidden, n = cfg.model_config.get_hidden_size(), 40
+    g = torch.Generator().manual_seed(0)
+    states = [torch.randn(n + 2, hidden, generator=g).bfloat16() for _ in range(9)]  # +2 pad
+    batch = harness.v2_input_batch([("a", 0, n)], harness.schedule_positions([("a", 0, n)], 2), 2)
+    path = os.path.join(tmp_path, "a.safetensors")
+    conn = _connector(cfg)
+    saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
+    try:
+        plain = _runner(cfg, _AuxModel())
+        plain.hidden_states_layer_ids = None  # no extraction: vLLM's own step
+        ours = _runner(cfg, _AuxModel())
+        assert ours.hidden_states_sink is not None
+        meta = HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("a", path, n)])
+        conn.bind_connector_metadata(meta)
+        peaks = {}
+        for name, runner in (("plain", plain), ("ours", ours)):
+            with LiveBytes() as m:
+                _eager_step(runner, harness.scheduler_output(None, {"a": n}), states, batch)
+            peaks[name] = m.peak
+        with LiveBytes() as m:  # a dummy run of profile_run: no slot, the same memory
+            forward = lambda self, *a, **kw: self.model(states)  # noqa: E731
+            with mock.patch.object(patch_mod, "_orig_execute_model", forward):
+                GPUModelRunner.execute_model(
+                    ours, harness.scheduler_output(None, {"a": n}), dummy_run=True
+                )
+        peaks["dummy"] = m.peak
+        fin = [FinishedRequest("a", [0] * n)]
+        done = HybridHiddenStatesConnectorMetadata(finished_requests=fin)
+        conn.bind_connector_metadata(done)
+        conn.shutdown()
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
+    one_layer = (n + 2) * hidden * 2
+    assert peaks["ours"] <= peaks["plain"] + one_layer + n * len(layer_ids) * 4
+    assert peaks["dummy"] <= peaks["plain"] + one_layer
+    got = load_file(path)["hidden_states"]
+    assert torch.equal(got, torch.stack([states[k][:n] for k in layer_ids], dim=1))
 
 
 @pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface

@@ -1,7 +1,8 @@
 """benchmarks/report.py on the committed GPU results; CPU only, no vLLM.
 
 Run: python -m pytest tests/test_report.py -q
-Covers: "x plain" divides by the plain record of the same run; benchmarks/README.md's generated
+Covers: "x plain" divides only by the plain record of the same run, commit, GPU and engine
+settings, and is blank, with the reason, where that run has none; benchmarks/README.md's generated
 block and benchmarks/results/README-table.md are what report.py makes of
 benchmarks/results/h200.json (regenerate them after adding records); the README block is
 replaced, not appended to; records older than the status field and files_ready_s render as before.
@@ -37,23 +38,20 @@ def test_plain_of_the_same_run(records):
 
 
 def test_versions_are_paired_and_cut_runs_are_not_faults(records):
-    # Ours on 0.26.0 divides by plain 0.26.0, never by plain 0.20.1: of its own run where that
-    # run measured plain (run 17; the same-run rule itself: test_plain_of_the_same_run), else
-    # the newest (run 22's ours against run 21's plain, the call before).
+    # Ours on 0.26.0 divides by plain 0.26.0 of its own run (run 17), and never by another
+    # run's: run 22 measured no plain, so its ratio is blank (run 21's plain is not used).
     ours26 = [r for r in records if r["variant"] == "ours" and r["versions"]["vllm"] == "0.26.0"]
     assert {r["run"] for r in ours26} >= {"run17", "run22"}
-    for r in ours26:
-        assert report.plain_for(r, records)["versions"]["vllm"] == "0.26.0"
+    ours17 = next(r for r in ours26 if r["run"] == "run17" and bench_records.ok(r))
+    assert report.plain_for(ours17, records)["versions"]["vllm"] == "0.26.0"
     ours22 = next(r for r in ours26 if r["run"] == "run22" and r["workload"] == "32x8192")
-    assert report.plain_for(ours22, records)["run"] == "run21"
-    # A newer plain record of the other release, even of the same run, is never the divisor.
-    newer = {
-        **report.plain_for(ours22, records),
-        "versions": {"vllm": "0.20.1"},
-        "date": "2026-12-31T00:00:00+00:00",
-        "run": "run22",
-    }
-    assert report.plain_for(ours22, [*records, newer])["versions"]["vllm"] == "0.26.0"
+    assert report.pair(ours22, records) == (None, "run run22 has no plain record")
+    # A plain record of the same run but of the other release is never the divisor.
+    other = {**ours22, "variant": "plain", "versions": {"vllm": "0.20.1"}}
+    assert report.pair(ours22, [*records, other]) == (
+        None,
+        "run run22's plain differs in vLLM version",
+    )
     # A variant the --budget cut off is reported as cut, a crash as failed.
     cut = next(r for r in ours26 if r["run"] == "run18")
     assert report.note(cut).endswith("timed out after 210 s (--timeout/--budget)")
@@ -131,3 +129,34 @@ def test_old_statuses_and_drain_key_render_as_new_ones(records):
         assert report.row(r_old, records) == report.row(r_new, records), text
         failed = status in ("timed_out", "failed")
         assert report.note(r_old).endswith(("failed: " if failed else "") + text)
+
+
+def test_a_ratio_never_crosses_runs(records):
+    """The ratio rule on made-up records: the plain record must be of the same run, commit,
+    GPU and engine settings (GDN backend, batch sizes, ...); else the ratio is blank and the
+    row and the summary say why. No timing is asserted, only which record divides which."""
+    base = next(r for r in records if r.get("run") == "run39" and r["variant"] == "plain")
+    default = {**bench_records.record_settings(base), "gdn_backend": "default"}
+    plain = {**base, "run": "r48", "commit": "abc1234", "settings": default}
+    ours = {**plain, "variant": "ours", "gen_s": base["gen_s"] * 1.01}
+    assert report.plain_for(ours, [plain, ours]) is plain
+    assert report.pair({**ours, "run": None}, [plain])[0] is None
+    cases = {
+        "run run49 has no plain record": {"run": "run49"},
+        "run r48's plain differs in commit": {"commit": "def5678"},
+        "run r48's plain differs in GPU": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "run r48's plain differs in settings": {"settings": {**default, "max_num_seqs": 256}},
+    }
+    for why, change in cases.items():
+        other = {**ours, **change}
+        assert report.pair(other, [plain, other]) == (None, why), why
+        assert f"x plain blank: {why}" in report.row(other, [plain, other])
+        assert f"n/a ({why})" in report.summary(report.select([plain, other]), [plain, other])
+    # A newer plain of another run, same everything else, is still not the divisor.
+    newer = {**plain, "run": "r49", "date": "2027-01-01T00:00:00+00:00"}
+    assert report.plain_for(ours, [plain, newer, ours]) is plain
+    # Two backends in one run: each divides by plain of its own backend.
+    tri = {**plain, "settings": {**default, "gdn_backend": "triton"}}
+    ours_tri = {**tri, "variant": "ours"}
+    assert report.plain_for(ours_tri, [plain, tri, ours, ours_tri]) is tri
+    assert report.plain_for(ours, [plain, tri, ours, ours_tri]) is plain

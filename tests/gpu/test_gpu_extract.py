@@ -372,7 +372,7 @@ def test_dense(models, reference, tmp_path):
 
 
 def test_kv_cache_capacity(models, tmp_path, capfd):
-    """Extraction keeps >= 95% of the KV cache capacity of plain vLLM.
+    """Extraction keeps >= 99% of the KV cache capacity of plain vLLM.
 
     vLLM reports capacity as max concurrency x max_model_len. Measured at a short
     context, where per-request GDN state weighs most. Both with prefix caching off, as
@@ -401,7 +401,7 @@ def test_kv_cache_capacity(models, tmp_path, capfd):
     }
     print(f"\nKV cache tokens: {caps}, memory GiB: {mem}")
     assert caps[False] and caps[True]
-    assert caps[True] >= 0.95 * caps[False]
+    assert caps[True] >= 0.99 * caps[False]
 
 
 def test_preemption(models, reference, tmp_path):

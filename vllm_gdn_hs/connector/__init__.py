@@ -136,6 +136,19 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         if self._worker is not None:
             self._worker.save(hidden_states, req_ids, query_start_loc_cpu, positions)
 
+    def take_rows(self, num_tokens: int):
+        """A pinned host slot that the runner fills one layer at a time during the forward
+        pass (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`), or None: a rank that does not
+        write, or fp8 (its per-token scale spans all layers, so it needs them together)."""
+        if self._worker is None or self.cfg.fp8:
+            return None
+        return self._worker.take(num_tokens)
+
+    def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+        """After the forward pass that filled ``slot``: its norms [tokens, L] float32 and
+        positions; the drain files it like :meth:`save_hidden_states`' rows."""
+        self._worker.save_taken(slot, req_ids, query_start_loc_cpu, norms, positions)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 

@@ -7,6 +7,11 @@ the memory vLLM profiled (the runner patch runs it once on the largest step insi
 ``profile_run``). The side stream only copies; ``record_stream`` keeps the step's GPU tensors
 alive until it has, so the runner holds no buffer between steps. A slot's rows are free again once
 the drain thread has filed them. On CPU (tests) the same path runs with plain copies.
+
+A step that runs eager takes its slot before the forward pass instead, layer-major
+(:meth:`HostRing.take` with ``layer_major``), and each layer's rows leave the GPU as soon as the
+model made them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`), so no step's rows of all
+layers are ever alive on the GPU together.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class HostSlot:
     norms: torch.Tensor  # [tokens, L] float32; with fp8 [tokens, L + 1]: + each row's scale
     positions: torch.Tensor  # [tokens] int64
     copied: torch.cuda.Event | None  # None on CPU
+    layers: torch.Tensor | None = None  # layer-major slots: the same rows as [L, tokens, H]
     released: bool = False
 
     @property
@@ -64,6 +70,37 @@ class HostSlot:
     def release(self) -> None:
         """The drain thread has filed these rows: the ring may hand them out again."""
         self.ring.release(self)
+
+    def fill_layer(self, column: int, rows: torch.Tensor) -> None:
+        """Start copying one layer's rows [tokens, H] into a layer-major slot, on the ring's
+        side stream once the compute stream has made them, so the forward pass does not wait
+        for the copy; ``record_stream`` keeps the allocator from reusing ``rows`` before the
+        copy is done, so the caller may drop them at once. On CPU, a plain copy."""
+        stream = self.ring.stream
+        if stream is None or not rows.is_cuda:
+            self.layers[column].copy_(rows)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.layers[column].copy_(rows, non_blocking=True)
+        rows.record_stream(stream)
+
+    def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
+        """The norms and positions of a layer-major slot, after its layers, on the same side
+        stream; ``copied`` then marks all of the slot's copies done."""
+        stream = self.ring.stream
+        if stream is None:
+            self.norms.copy_(norms)
+            self.positions.copy_(positions)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.norms.copy_(norms, non_blocking=True)
+            self.positions.copy_(positions, non_blocking=True)
+            self.copied.record(stream)
+        for t in (norms, positions):  # made on the compute stream, read on the side stream
+            if t.is_cuda:
+                t.record_stream(stream)
 
 
 class HostRing:
@@ -101,9 +138,12 @@ class HostRing:
             return 0 if tail >= num_tokens else None
         return head if tail - head >= num_tokens else None  # wrapped: free is [head, tail)
 
-    def take(self, num_tokens: int) -> tuple[HostSlot, float]:
+    def take(self, num_tokens: int, layer_major: bool = False) -> tuple[HostSlot, float]:
         """Rows for one step; returns the slot and the seconds waited for them (host
-        back-pressure: the drain is behind)."""
+        back-pressure: the drain is behind). A ``layer_major`` slot keeps its rows as
+        [L, tokens, H] in the same memory, so that each layer's rows are one contiguous block
+        (a D2H copy into a strided host view would go through pageable memory); its
+        ``hidden_states`` is the [tokens, L, H] view of them that the drain reads."""
         if not 0 < num_tokens <= self.capacity:
             raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
         waited = 0.0
@@ -115,13 +155,19 @@ class HostRing:
                     self.wait_for_room()
                 waited = time.monotonic() - began
             end = start + num_tokens
+            rows = self.hidden_states[start:end]
+            layers = None
+            if layer_major:
+                layers = rows.view(-1).view(rows.shape[1], num_tokens, rows.shape[2])
+                rows = layers.permute(1, 0, 2)
             slot = HostSlot(
                 self,
                 start,
-                self.hidden_states[start:end],
+                rows,
                 self.norms[start:end],
                 self.positions[start:end],
                 torch.cuda.Event() if self.stream is not None else None,
+                layers,
             )
             self.live.append(slot)
         return slot, waited

@@ -96,6 +96,22 @@ class HybridHiddenStatesConnectorWorker:
         """One step's rows [tokens, L, H] in batch order, with each row's token position."""
         t0 = time.perf_counter()
         slot, waited = self.ring.copy_out(hidden_states, positions)
+        self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
+
+    def take(self, num_tokens: int):
+        """A layer-major slot for a step whose layers the runner copies out one at a time as
+        the model makes them (before its forward pass); :meth:`save_taken` queues it."""
+        t0 = time.perf_counter()
+        slot, waited = self.ring.take(num_tokens, layer_major=True)
+        self._taken = (waited, t0)
+        return slot
+
+    def save_taken(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+        """After the forward pass: the taken slot's norms [tokens, L] and positions."""
+        slot.finish(norms, positions)
+        self._queue(slot, req_ids, query_start_loc_cpu, *self._taken)
+
+    def _queue(self, slot, req_ids, query_start_loc_cpu, waited, t0) -> None:
         if waited > 0.5:
             # Which side is behind: with files being written, the storage; with none, the
             # drain thread filing rows (on the GPU: fresh request buffers during prefill).

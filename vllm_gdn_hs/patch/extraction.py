@@ -4,13 +4,27 @@ Runner-neutral (it imports no runner), so that each runner patch imports it on e
 release where that runner exists: ``patch_worker_gpu_model_runner`` (vLLM's V1 GPU model
 runner, up to 0.33.0) and ``patch_worker_gpu_model_runner_v2`` (Model Runner V2, from 0.33.0;
 the only runner from 0.34.0). ``self`` is the runner in every function.
+
+The layer sink (:class:`LayerSink`, Model Runner V2): a model that collects its aux states in
+vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one alive until the forward pass
+ends, so at the last layers' activation peak five of six [tokens, hidden] copies are alive
+(0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing, and 1.75 times that out
+of the KV cache with its margin). In a step that runs eager the sink takes each one as the
+model makes it: its rows start for pinned host memory on the staging ring's side stream (after
+the compute stream made them, so the forward pass does not wait for the copy) and the model
+keeps an empty placeholder, so the copy is freed as soon as it is copied. CUDA-graph steps (at
+most the largest capture size) keep the stacked hand-over: a graph would bake one host address
+into every replay.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.files import row_norms
 from vllm_gdn_hs.hook import hidden_states_connector, hidden_states_connector_class
 
 
@@ -42,11 +56,17 @@ def set_up_extraction(self, vllm_config) -> None:
 
 
 def profile_step(self) -> None:
-    """Allocate what the hand-over of the largest step allocates, inside the runner's
+    """Allocate what the stacked hand-over of its largest step allocates, inside the runner's
     ``profile_run``: vLLM sizes the KV cache from that run's peak memory (from 0.34.0, the
     extensible KV cache keeps that peak free as its transient headroom), and its dummy
-    forward drops the aux states at once."""
-    shape = (self.max_num_tokens, self.model_config.get_hidden_size())
+    forward drops the aux states at once. With the layer sink that is the largest step a CUDA
+    graph runs; larger ones go through the sink."""
+    num_tokens = self.max_num_tokens
+    if getattr(self, "hidden_states_sink", None) is not None:
+        num_tokens = min(num_tokens, largest_graph_step(self))
+    if num_tokens == 0:
+        return
+    shape = (num_tokens, self.model_config.get_hidden_size())
     outputs = [  # the model's output and aux states, alive during the hand-over
         torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
         for _ in range(len(self.hidden_states_layer_ids) + 1)
@@ -74,6 +94,16 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
         connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
     if not connector.wants_hidden_states():
         return  # a tensor-parallel rank that does not write: nothing to stack or copy
+    sink = getattr(self, "hidden_states_sink", None)
+    if sink is not None and sink.slot is not None:  # the rows left during the forward pass
+        slot, norms = sink.slot, sink.norms
+        sink.slot = sink.norms = None
+        if sink.taken != len(self.hidden_states_order):
+            raise RuntimeError(f"the model made {sink.taken} aux states in an eager step")
+        connector.save_taken_rows(
+            slot, req_ids, query_start_loc_cpu, norms, positions[:num_tokens].clone()
+        )
+        return
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
     rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
     connector.save_hidden_states(
@@ -82,3 +112,124 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
         query_start_loc_cpu=query_start_loc_cpu,
         positions=positions[:num_tokens].clone(),
     )
+
+
+class LayerSink:
+    """Takes each aux state from the model as it is made (see the module docstring). Open
+    only around the forward pass of a step that runs eager: with a slot (a writing rank's
+    step) each layer's scheduled rows start for that pinned host slot and their norms are
+    taken; without one (dummy runs, vLLM's warm-up with the connector off, a rank that does
+    not write) they are dropped, so that vLLM's sizing steps see the memory real steps use."""
+
+    def __init__(self, order: list[int], hidden: int, dtype, device):
+        self.column = {k: j for j, k in enumerate(order)}  # ascending aux index -> file column
+        self.placeholder = torch.empty((0, hidden), dtype=dtype, device=device)
+        self.open = False
+        self.slot = self.norms = None
+        self.num_tokens = self.taken = 0
+
+    def start(self, num_tokens: int, slot) -> None:
+        self.open, self.num_tokens, self.taken, self.slot = True, num_tokens, 0, slot
+        if slot is not None:
+            self.norms = torch.empty(
+                (num_tokens, len(self.column)), dtype=torch.float32, device=self.placeholder.device
+            )
+
+    def close(self) -> None:
+        self.open = False
+
+    def take(self, aux: torch.Tensor) -> torch.Tensor:
+        """One aux state [padded tokens, H]; returns what the model keeps in its place."""
+        column = self.column[self.taken]
+        self.taken += 1
+        if self.slot is not None:
+            rows = aux[: self.num_tokens]
+            for s in range(0, self.num_tokens, CHUNK_TOKENS):  # float32 temporaries stay small
+                self.norms[s : s + CHUNK_TOKENS, column] = row_norms(rows[s : s + CHUNK_TOKENS])
+            self.slot.fill_layer(column, rows)
+        return self.placeholder
+
+
+CHUNK_TOKENS = 1024  # float32 norm temporaries of 1,024 x 5,120: 20 MiB at 27B size
+
+
+def install_sink(self) -> None:
+    """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
+    that an open :class:`LayerSink` takes each aux state. Not installed, and the stacked
+    hand-over used for every step, where it cannot work: a vLLM without ``EagleModelMixin`` or
+    a model that does not use it, sequence parallelism (the model concatenates the aux states
+    after the last layer), fp8 files (a row's scale spans all layers), or a connector that
+    cannot take a slot."""
+    from vllm_gdn_hs.connector.checks import config_from
+
+    self.hidden_states_sink = None
+    try:
+        from vllm.model_executor.models.interfaces import EagleModelMixin
+    except ImportError:
+        return
+    modules = self.model.modules() if isinstance(self.model, torch.nn.Module) else ()
+    holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
+    connector_class = getattr(self, "hidden_states_connector_class", None)
+    if (
+        holder is None
+        or getattr(holder, "use_sequence_parallel", False)
+        or not hasattr(connector_class, "take_rows")
+        or config_from(self.vllm_config).fp8
+    ):
+        return
+    sink = self.hidden_states_sink = LayerSink(
+        self.hidden_states_order,
+        self.model_config.get_hidden_size(),
+        self.model_config.dtype,
+        self.device,
+    )
+    original = holder._maybe_add_hidden_state  # vLLM's, bound to the model
+
+    def _maybe_add_hidden_state(aux_hidden_states, layer_idx, hidden_states, residual):
+        n = len(aux_hidden_states)
+        out = original(aux_hidden_states, layer_idx, hidden_states, residual)
+        if sink.open and len(aux_hidden_states) > n:
+            aux_hidden_states[-1] = sink.take(aux_hidden_states[-1])
+        return out
+
+    holder._maybe_add_hidden_state = _maybe_add_hidden_state
+
+
+def largest_graph_step(self) -> int:
+    """The most tokens a CUDA graph runs (0 without graphs): larger steps run eager."""
+    from vllm.config import CUDAGraphMode
+
+    cc = self.vllm_config.compilation_config
+    if self.model_config.enforce_eager or cc.cudagraph_mode == CUDAGraphMode.NONE:
+        return 0
+    return cc.max_cudagraph_capture_size or 0
+
+
+@contextlib.contextmanager
+def sink_open(self, num_tokens: int, dummy_run: bool):
+    """Around one ``execute_model`` of ``num_tokens`` scheduled tokens: the sink open when the
+    step runs eager, with a host slot when this rank writes the step's rows."""
+    sink = getattr(self, "hidden_states_sink", None)
+    if sink is None or num_tokens <= largest_graph_step(self):
+        yield
+        return
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    slot = None
+    if not dummy_run and has_kv_transfer_group():  # off in vLLM's warm-up and dummy runs
+        connector = getattr(self, "hidden_states_connector", None)
+        if connector is None:
+            connector = self.hidden_states_connector = hidden_states_connector(
+                get_kv_transfer_group()
+            )
+        slot = connector.take_rows(num_tokens)
+    sink.start(num_tokens, slot)
+    try:
+        yield
+    except BaseException:
+        if sink.slot is not None:  # no hand-over follows: give the rows back to the ring
+            sink.slot.release()
+            sink.slot = None
+        raise
+    finally:
+        sink.close()

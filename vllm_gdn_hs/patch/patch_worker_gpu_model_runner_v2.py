@@ -13,7 +13,8 @@ How, only when the connector is configured:
   output buffers for them); nothing allocated;
 - ``load_model``: after the original (which reads the flag as "a drafter's layers", so it
   is off meanwhile), the model returns the connector's layers
-  (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter);
+  (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter), and the layer sink is
+  installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
 - ``profile_run``: after the original, the largest step's hand-over is allocated once, so
   that the KV cache is sized with it (:func:`~vllm_gdn_hs.patch.extraction.profile_step`;
   from 0.34.0 the extensible KV cache keeps that run's peak free as transient headroom, and
@@ -44,7 +45,13 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch, require
-from vllm_gdn_hs.patch.extraction import hand_over, profile_step, set_up_extraction
+from vllm_gdn_hs.patch.extraction import (
+    hand_over,
+    install_sink,
+    profile_step,
+    set_up_extraction,
+    sink_open,
+)
 
 _orig_init = GPUModelRunner.__init__
 _orig_load_model = GPUModelRunner.load_model
@@ -80,6 +87,7 @@ def load_model(self, *args, **kwargs) -> None:
                 "implement vLLM's SupportsEagle3), so its hidden states cannot be extracted"
             )
         self.model.set_aux_hidden_state_layers(tuple(self.hidden_states_layer_ids))
+        install_sink(self)
 
 
 def profile_run(self, *args, **kwargs) -> None:
@@ -91,15 +99,17 @@ def profile_run(self, *args, **kwargs) -> None:
 def execute_model(self, scheduler_output, *args, **kwargs):
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
-    output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
+    dummy_run = _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
+        "dummy_run", False
+    )
+    with sink_open(self, scheduler_output.total_num_scheduled_tokens, dummy_run):
+        output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
     if (
         getattr(self, "hidden_states_layer_ids", None)
         and output is None  # a forward pass ran; its state waits for sample_tokens
         and scheduler_output.total_num_scheduled_tokens > 0
         and has_kv_transfer_group()  # off in kernel warm-up (KVConnector.set_disabled)
-        and not _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
-            "dummy_run", False
-        )
+        and not dummy_run
     ):
         save_step(self, self.execute_model_state)
     return output
