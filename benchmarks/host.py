@@ -80,7 +80,10 @@ def dist_version(*names: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit, "-dirty" when tracked files differ from it; None without git."""
+    """The checkout's short commit, "-dirty" when tracked files differ from it; None without git.
+    VLLM_GDN_HS_COMMIT names it where the checkout's git is a stale copy (the GPU machine)."""
+    if os.environ.get("VLLM_GDN_HS_COMMIT"):
+        return os.environ["VLLM_GDN_HS_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         head = subprocess.run(

@@ -103,17 +103,32 @@ def model_implementations() -> dict[str, str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def save_results():
+    import datetime
+    import subprocess
+
     import vllm
 
     from vllm_gdn_hs.version import runner_in_use
 
+    commit = os.environ.get("VLLM_GDN_HS_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     RESULTS["environment"] = dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=commit or "unknown",
         vllm=vllm.__version__,
         torch=torch.__version__,
         gpu=torch.cuda.get_device_name(0),
         runner=runner_in_use(),
+        gdn_prefill_backend="triton (the tiny models' GDN head dim 64; vLLM's default needs 128)",
         model_implementations=model_implementations(),
     )
+    yield
+
+
+@pytest.fixture(autouse=True)
+def write_results():
+    """The results file after every test, so that a run cut short keeps what finished."""
     yield
     path = os.environ.get("VLLM_GDN_HS_RESULTS")
     if path:

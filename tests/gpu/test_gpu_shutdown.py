@@ -193,16 +193,19 @@ def _save(name: str, record: dict) -> None:
     gpu = subprocess.run(
         ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout.strip()
-    commit = subprocess.run(
+    commit = os.environ.get("VLLM_GDN_HS_COMMIT") or subprocess.run(  # the GPU machine's git
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=launched_root()
-    ).stdout.strip() or os.environ.get("VLLM_GDN_HS_COMMIT", "unknown")
+    ).stdout.strip()  # can be a stale copy, so the session names the commit
+    commit = commit or "unknown"
     record = dict(
         date=time.strftime("%Y-%m-%d"), commit=commit, vllm=vllm.__version__,
         runner=runner_in_use(), gpu=gpu, gdn_kernels="triton prefill (gdn_prefill_backend)",
         settings=dict(shutdown_drain_s=DRAIN_S, in_flight=IN_FLIGHT, decode="16 + 64 * (i % 8)",
                       prompt=PROMPT, write_workers=1, enforce_eager=True),
     ) | record  # fmt: skip
-    folder = os.path.join(launched_root(), "tests", "results")
+    folder = os.environ.get("VLLM_GDN_HS_RESULTS_DIR") or os.path.join(
+        launched_root(), "tests", "results"
+    )
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{record['date']}-vllm{vllm.__version__}-shutdown-{name}.json")
     with open(path, "w") as f:
