@@ -724,13 +724,14 @@ def test_stats_reach_vllms_kv_connector_logging(storage):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-    import vllm_gdn_hs
+    import vllm_gdn_hs.names
+    import vllm_gdn_hs.plugin
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
     connector = object.__new__(HybridHiddenStatesConnector)  # its worker side alone
     connector._worker = w = make_writer(storage)
-    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.names.CONNECTOR_NAME, kv_role="kv_producer")
     vllm_log = KVConnectorLogging(kv)
     assert connector.get_kv_connector_stats() is None  # nothing yet
     written, real_add = threading.Semaphore(0), w.book.add
@@ -789,10 +790,11 @@ def test_stats_reach_vllms_prometheus_metrics(storage, monkeypatch, hybrid_model
     from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.metrics.stats import SchedulerStats
 
-    import vllm_gdn_hs
+    import vllm_gdn_hs.names
+    import vllm_gdn_hs.plugin
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
     prom = PrometheusStatLogger(
         harness.engine_config(hybrid_model, connector=harness.OURS), engine_indexes=[0, 1]
     )

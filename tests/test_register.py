@@ -20,7 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-import vllm_gdn_hs
+import vllm_gdn_hs.plugin
 from vllm_gdn_hs import patch
 from vllm_gdn_hs.version import (
     ALLOW_UNTESTED,
@@ -49,14 +49,14 @@ _LOADER = """
 import json, sys
 import vllm.plugins
 vllm.plugins.load_general_plugins()
-import vllm_gdn_hs, vllm_gdn_hs.patch as p
+import vllm_gdn_hs.plugin, vllm_gdn_hs.patch as p
 lazy = "vllm_gdn_hs.connector" not in sys.modules
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 cls = KVConnectorFactory.get_connector_class(
     KVTransferConfig(kv_connector="HybridHiddenStatesConnector", kv_role="kv_producer"))
 print("RESULT " + json.dumps(dict(
-    registered=vllm_gdn_hs._registered, applied=p._applied, lazy=lazy,
+    registered=vllm_gdn_hs.plugin._registered, applied=p._applied, lazy=lazy,
     cls=cls.__module__ + "." + cls.__qualname__)))
 """
 
@@ -84,7 +84,7 @@ def test_factory_resolves_our_class_in_process():
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
     cls = KVConnectorFactory.get_connector_class(
-        KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+        KVTransferConfig(kv_connector=vllm_gdn_hs.names.CONNECTOR_NAME, kv_role="kv_producer")
     )
     assert cls is HybridHiddenStatesConnector
     assert supports_hma(cls)
@@ -94,14 +94,14 @@ def test_register_is_idempotent():
     # conftest loaded the plugin through vLLM; calling register() again changes nothing.
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    loader = KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME]
+    loader = KVConnectorFactory._registry[vllm_gdn_hs.names.CONNECTOR_NAME]
     applied = list(patch._applied)
     assert applied == list(patch.patches_for())
-    vllm_gdn_hs.register()
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
+    vllm_gdn_hs.plugin.register()
     assert patch._applied == applied
     assert patch.apply_patches() == applied
-    assert KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME] is loader
+    assert KVConnectorFactory._registry[vllm_gdn_hs.names.CONNECTOR_NAME] is loader
 
 
 @pytest.mark.parametrize("name", patch.patches_for())
@@ -221,7 +221,7 @@ from packaging.version import Version
 v.installed_vllm = lambda: Version(RELEASE)
 import vllm.plugins
 vllm.plugins.load_general_plugins()  # must not raise
-import vllm_gdn_hs, vllm_gdn_hs.patch as p
+import vllm_gdn_hs.plugin, vllm_gdn_hs.patch as p
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.engine.arg_utils import EngineArgs

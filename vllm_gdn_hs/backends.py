@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import extraction_config
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import LaunchError
 
 # Connector options the launcher sets from its own flags.

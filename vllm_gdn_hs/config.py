@@ -13,8 +13,8 @@ from pydantic import (
     model_validator,
 )
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.mooncake_config import MooncakeOptions
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 class HiddenStatesConfig(BaseModel):

@@ -234,7 +234,7 @@ def checks(
             load_general_plugins()
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-            from vllm_gdn_hs import CONNECTOR_NAME
+            from vllm_gdn_hs.names import CONNECTOR_NAME
             from vllm_gdn_hs.patch import apply_patches
 
             if CONNECTOR_NAME not in KVConnectorFactory._registry:

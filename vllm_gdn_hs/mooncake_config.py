@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 GIB = 1024**3
 

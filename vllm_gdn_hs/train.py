@@ -30,7 +30,7 @@ from hs_connectors.transfer import (
     MooncakeTransfer,
 )
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 BACKEND = "mooncake-fp8"
 

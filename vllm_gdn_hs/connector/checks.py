@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import requirement
 
 if TYPE_CHECKING:

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
 from vllm_gdn_hs.connector.request_rows import _PENDING_ROWS, _SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook
 from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, failed
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 
 logger = init_logger(__name__)
 

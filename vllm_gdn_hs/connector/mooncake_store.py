@@ -32,8 +32,8 @@ import torch
 from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 
 logger = init_logger(__name__)
 

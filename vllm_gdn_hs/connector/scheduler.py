@@ -12,13 +12,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from vllm_gdn_hs import CONNECTOR_NAME, files, init_logger
+from vllm_gdn_hs import files
 from vllm_gdn_hs.config import HiddenStatesConfig, request_params
 from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

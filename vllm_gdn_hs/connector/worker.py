@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.drain import Drain, Finish, StepRows
 from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
@@ -31,6 +30,7 @@ from vllm_gdn_hs.connector.staging import HostRing
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
 from vllm_gdn_hs.connector.storage import make_storage
 from vllm_gdn_hs.connector.writer import Writer
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 
 logger = init_logger(__name__)
 

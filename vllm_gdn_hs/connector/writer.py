@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
 from vllm_gdn_hs.connector.stats import StatsBook
 from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.files import check_norms
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 
 logger = init_logger(__name__)
 _POLL_S = 0.5  # how often an idle write thread looks whether the process is ending

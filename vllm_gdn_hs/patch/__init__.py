@@ -59,7 +59,7 @@ class Patch:
     applied: bool = False
 
     def apply(self) -> None:
-        from vllm_gdn_hs import init_logger
+        from vllm_gdn_hs.names import init_logger
 
         logger = init_logger(__name__)
         if self.applied or getattr(self.target, "_vllm_gdn_hs_patched", False):

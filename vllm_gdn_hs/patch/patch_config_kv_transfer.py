@@ -22,8 +22,8 @@ import hashlib
 
 from vllm.config import KVTransferConfig
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.patch import Patch
 
 # vLLM 0.34.0 keys the cache on each config's compile_factors(); earlier releases on a hash.

@@ -42,8 +42,8 @@ from __future__ import annotations
 
 from vllm.config import VllmConfig
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 from vllm_gdn_hs.version import model_runner_v2_asked_for
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)
