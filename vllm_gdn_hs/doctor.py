@@ -159,7 +159,7 @@ MOONCAKE_WHEELS = (
 def mooncake_checks(master: str) -> list[tuple[str, str, str | None]]:
     """The mooncake backends' needs on this host: a Mooncake wheel that loads, and the master
     at ``master`` (host:port) answering. For the servers and the trainers alike."""
-    from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+    from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
     wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := _version(d))]
     problem = None

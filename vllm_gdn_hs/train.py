@@ -46,7 +46,7 @@ class MooncakeFP8Transfer(MooncakeTransfer):
         return self._dequantize(super().get_generated(hs_transfer_params))
 
 
-class MooncakeFP8Backend(MooncakeBackend):
+class MooncakeFP8Train(MooncakeBackend):
     """speculators' ``mooncake`` backend (the same ``--mooncake-*`` options) with fp8 objects."""
 
     @staticmethod
@@ -67,7 +67,7 @@ def register() -> None:
     """Add ``mooncake-fp8`` to hs-connectors' registry (once). speculators reads the registry's
     options when ``speculators.train.config`` is first imported: call this before that."""
     if BACKEND not in HiddenStatesBackend.registry:
-        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Backend)
+        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Train)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ hands each call to its side:
 - :mod:`.worker`: the rows of each step, from the GPU through the pinned host ring
   (:mod:`.staging`) and the drain thread (:mod:`.drain`) into each request's rows
   (:mod:`.request_rows`), then through the writer (:mod:`.writer`) to the storage
-  (:mod:`.storage`: the file); its figures in :mod:`.stats`;
+  (:mod:`vllm_gdn_hs.storage`: the file); its figures in :mod:`.stats`;
 - :mod:`.metadata`: what the scheduler side tells the worker side each step;
 - :mod:`.checks`: the startup checks.
 
@@ -85,7 +85,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
                 self.cfg,
                 self.layer_ids,
                 vllm_config.model_config.max_model_len,
-                hidden=vllm_config.model_config.get_hidden_size(),  # for the mooncake manifest
+                hidden=vllm_config.model_config.get_hidden_size(),  # for a backend's response
                 dtype=vllm_config.model_config.dtype,
             )
         elif _is_writer_rank():  # only tensor-parallel rank 0 writes; the others stage nothing

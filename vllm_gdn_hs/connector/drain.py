@@ -21,9 +21,9 @@ from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
 from vllm_gdn_hs.connector.request_rows import _PENDING_ROWS, _SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook
-from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, failed
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
 
@@ -94,7 +94,7 @@ class Drain:
         if req.req_id in self.requests:
             return  # listed as new again (resumed): its rows so far are kept
         try:
-            stored = self.storage.start(req)
+            stored = self.storage.start(req.req_id, req.path)
         except Exception as e:  # never stop the engine for one request's file
             failed(self.book, req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
             return

@@ -5,9 +5,9 @@ After each forward pass the patched runner hands the step's rows to :meth:`save`
 host slot (:mod:`.staging`) and queues them for the drain thread (:mod:`.drain`), which files
 them into each request's rows (:mod:`.request_rows`). When the scheduler side says a request
 finished, the drain thread hands it to the writer (:mod:`.writer`: the write pool and its
-backlog), which stores it (:mod:`.storage`: the file backend writes one safetensors file and
-releases its ``.lock``). A failure costs only that request its file: logged once with its id,
-counted (:mod:`.stats`), no file and no lock.
+backlog), which stores it (:mod:`vllm_gdn_hs.storage`: the file backend writes one
+safetensors file and releases its ``.lock``). A failure costs only that request its file:
+logged once with its id, counted (:mod:`.stats`), no file and no lock.
 
 Shutdown (:meth:`close`) drains everything queued within ``shutdown_drain_s``; a request not
 written by then loses its lock and is counted as lost at shutdown.
@@ -28,9 +28,9 @@ from vllm_gdn_hs.connector.drain import Drain, Finish, StepRows
 from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
 from vllm_gdn_hs.connector.staging import HostRing
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
-from vllm_gdn_hs.connector.storage import make_storage
 from vllm_gdn_hs.connector.writer import Writer
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.registry import storage_for
 
 logger = init_logger(__name__)
 
@@ -57,7 +57,8 @@ class HybridHiddenStatesConnectorWorker:
         # warning_once keys on the arguments: a new figure would log again, at every step);
         # the totals are in the progress and shutdown lines.
         self.warned: set[str] = set()
-        self.storage = make_storage(cfg)
+        self.storage = storage_for(cfg)
+        self.storage.open_worker_side()
         self.writer = Writer(
             cfg,
             self.storage,
@@ -169,7 +170,7 @@ class HybridHiddenStatesConnectorWorker:
                 )
             self.writer.close(deadline)
             unfinished = self.drain.abandon_unfinished()
-            self.storage.close(deadline)  # mooncake: trainers may read until then
+            self.storage.close(deadline)  # a store's readers may read until then
         self.book.add(unfinished=len(unfinished))
         line = self.stats.shutdown_line(unfinished, self.storage.unit)
         logger.info("%s: %s", CONNECTOR_NAME, line)

@@ -1,4 +1,4 @@
-"""The mooncake backend: each request's rows as one object in a Mooncake store.
+"""The mooncake backend's client: this server's puts into a Mooncake store, on the wire.
 
 Mirrors hs-connectors' ``MooncakeHiddenStatesConnector`` (0.9.0) on the wire, so that its
 reader, ``MooncakeTransfer`` (speculators' ``--hidden-states-backend mooncake``), reads our
@@ -6,10 +6,7 @@ objects unchanged: the object is the raw bytes of ``hidden_states`` [T, L, H] in
 dtype and ``token_ids`` int64 [T] at the offsets of hs-connectors' own ``packed_layout``; the
 v1 manifest (:func:`manifest`) goes back in the response's ``kv_transfer_params``; a failure
 is the JSON object ``{"error": why}`` under ``key + ":error"``, which the reader raises at
-once. The key starts with hs-connectors' own ``sanitize_key(request_id)`` and ends with a tag
-unique to the request (:class:`KeyMaker`): ``sanitize_key`` maps many ids to one key, and
-request ids repeat across engines and restarts, so no client can make its object land on
-another request's.
+once. The keys are the scheduler side's (:class:`vllm_gdn_hs.storage.mooncake.KeyMaker`).
 
 Unlike hs-connectors, the rows come from the connector's host buffers (nothing is read out
 of the KV cache, no block is held), and every put is hard-pinned: a full store refuses the
@@ -24,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import secrets
 import threading
 import time
 
@@ -32,8 +28,8 @@ import torch
 from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
-from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
 logger = init_logger(__name__)
 
@@ -41,29 +37,7 @@ ERROR_SUFFIX = ":error"  # hs-connectors' error object: key + ":error"
 NO_AVAILABLE_HANDLE = -200  # no room in any segment: store full (or not yet mounted again)
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # the master does not answer
-_MAX_KEY_STEM = 160
 _PRUNE_AT = 4096
-
-
-def _sanitize_key(request_id: str) -> str:
-    # hs-connectors' own function; its module imports vLLM, so only here, on use.
-    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
-
-    return sanitize_key(request_id)
-
-
-class KeyMaker:
-    """The scheduler side's keys: ``sanitize_key(request_id)`` (cut to 160 characters), then
-    ``-`` and a tag no other request of any engine gets (12 random hex digits drawn once
-    per scheduler, then a counter)."""
-
-    def __init__(self):
-        self.tag = secrets.token_hex(6)
-        self.count = 0
-
-    def key(self, request_id: str) -> str:
-        self.count += 1
-        return f"{_sanitize_key(request_id)[:_MAX_KEY_STEM]}-{self.tag}{self.count:x}"
 
 
 def manifest(
@@ -329,8 +303,6 @@ class MooncakeStore:
                 time.sleep(min(0.2, max(until - time.monotonic(), 0)))
                 waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
         return len(waiting)
-        with contextlib.suppress(Exception):
-            self.client.close()
 
     @staticmethod
     def _check(call: str, key: str, rc) -> None:

@@ -1,0 +1,112 @@
+"""The interface of a storage backend, both its halves.
+
+The scheduler side (:meth:`~HiddenStatesStorage.open_scheduler_side`) decides where each
+request's hidden states go (:meth:`~HiddenStatesStorage.place_for`: a file's path, an object's
+key) and what its response's ``kv_transfer_params`` say (:meth:`~HiddenStatesStorage.response`).
+
+The worker side (:meth:`~HiddenStatesStorage.open_worker_side`) goes through each request's
+lifecycle:
+
+- :meth:`~HiddenStatesStorage.start` when the request is first scheduled, before its place can
+  reach a client: reserve it (the file backend takes ``<file>.lock``);
+- :meth:`~HiddenStatesStorage.write` once it finished, from a write thread: store its rows
+  and token ids and release the place (the reader may take it from then on);
+- :meth:`~HiddenStatesStorage.abandon` when it gets nothing (aborted, failed, or not written
+  within ``shutdown_drain_s``): release the place so that its reader fails at once instead of
+  waiting. It may be called while a write of the same request runs (shutdown), and more than
+  once;
+- :meth:`~HiddenStatesStorage.begin_close` when shutdown starts, and
+  :meth:`~HiddenStatesStorage.close` once every request was written or abandoned.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_gdn_hs.config import HiddenStatesConfig
+
+
+@dataclass
+class StoredRequest:
+    """One request's place in a backend."""
+
+    req_id: str
+    path: str  # the file (file backend), or the object's key
+    handle: Any = None  # the backend's own: the file backend's lock descriptor
+    state: str = "open"  # open -> writing -> done; abandoned at any point
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin_write(self) -> None:
+        """open -> writing; RuntimeError if the place was given up meanwhile."""
+        with self.mutex:
+            if self.state != "open":
+                raise RuntimeError(f"its place was given up ({self.state})")
+            self.state = "writing"
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """What the scheduler side knows of every request's rows: layers, width, model dtype."""
+
+    layer_ids: list[int]
+    hidden: int = 0
+    dtype: Any = None  # torch.dtype; None where no backend needs it
+
+
+class HiddenStatesStorage(ABC):
+    unit: ClassVar[str] = "files"  # what one request's hidden states are called in log lines
+    # The config field whose options pick this backend (``storage.registry``); None: the default.
+    options_field: ClassVar[str | None] = None
+
+    def __init__(self, cfg: HiddenStatesConfig):
+        self.cfg = cfg
+
+    # -- scheduler side ---------------------------------------------------------------
+    def open_scheduler_side(self, shape: RowShape) -> None:  # noqa: B027 - optional
+        """Check the storage before the first request (raise to refuse the startup)."""
+
+    @abstractmethod
+    def place_for(self, req_id: str, custom: str | None) -> str:
+        """The request's place (``custom``: the client's ``hidden_states_path``); ValueError
+        refuses this request alone."""
+
+    @abstractmethod
+    def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
+        """The finished request's ``kv_transfer_params``: where its reader finds it."""
+
+    # -- worker side ------------------------------------------------------------------
+    def open_worker_side(self) -> None:  # noqa: B027 - optional
+        """Connect before the first request (raise to refuse the startup)."""
+
+    @abstractmethod
+    def start(self, req_id: str, place: str) -> StoredRequest:
+        """Reserve the request's place; raises if it cannot have one (the request alone then
+        gets no hidden states)."""
+
+    @abstractmethod
+    def write(
+        self,
+        request: StoredRequest,
+        hidden_states: torch.Tensor,
+        token_ids: torch.Tensor,
+        scales: torch.Tensor | None,
+    ) -> None:
+        """Store [T, L, H] rows, [T] int64 token ids and, for fp8, [T, 1, 1] scales."""
+
+    @abstractmethod
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        """Give the request's place up: its reader finds nothing and fails at once (``why``, for
+        a backend that tells the reader; empty for an aborted request, which nobody reads)."""
+
+    def begin_close(self) -> None:  # noqa: B027 - optional
+        """Shutdown has started: writes that wait on the backend should give up soon."""
+
+    def close(self, deadline: float | None = None) -> None:  # noqa: B027 - optional
+        """At shutdown, once every request was written or abandoned; done by ``deadline``
+        (monotonic: the end of ``shutdown_drain_s``)."""
