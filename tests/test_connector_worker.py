@@ -241,7 +241,7 @@ def test_decode_rows_are_filed_once_a_request_skips_a_step(writer, storage):
     save(writer, ("a", 2, rows(1)), ("b", 2, rows(1)))
     save(writer, ("a", 3, rows(1)), ("b", 3, rows(1)))
     save(writer, ("b", 4, rows(1)))
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     a, b = writer.drain.requests["a"].rows, writer.drain.requests["b"].rows
     assert a.pending == [] and bytes(a.seen[:4]) == b"\x01" * 4
     assert len(b.pending) == 5 and writer.drain.deferring == {b}
@@ -504,13 +504,13 @@ def test_progress_line_without_finished_files(writer, storage, caplog):
     new(writer, storage, a=4)
     writer.logged = (0.0, 0, 0)  # the last line is long past
     save(writer, ("a", 0, rows(4)))
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "0 files (0.00 GB) written" in lines[0] and "1 requests in flight" in lines[0]
     assert "1 steps; per step" in lines[0]
     save(writer, ("a", 4, rows(1)))  # within 30 s of that line: no other
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     assert len([r for r in caplog.records if "requests in flight" in r.getMessage()]) == 1
 
 

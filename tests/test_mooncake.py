@@ -98,7 +98,7 @@ class RowsEngine(Engine):
                 break
             self.step()
         self.step()  # the worker hears of the last finish in the next step
-        assert self.worker._worker.drained(60)
+        assert self.worker._worker.drain.flushed(60)
 
     def expected(self, rid: str, n: int) -> torch.Tensor:
         return torch.stack([self.sent[rid][p] for p in range(n)])
@@ -362,7 +362,7 @@ def run_full_store(eng: RowsEngine, rids: list[str], slow: SlowReader) -> int:
         if handed == set(rids):
             break
     eng.step()
-    assert worker.drained(120)
+    assert worker.drain.flushed(120)
     done.set()
     watcher.join()
     return most[0]

@@ -21,8 +21,11 @@ def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
         raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
 
 
-def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
-    """Startup checks; each error names the fix. Returns the layer ids."""
+def validate_vllm_config(
+    vllm_config: VllmConfig, cfg: HiddenStatesConfig | None = None
+) -> list[int]:
+    """Startup checks; each error names the fix. Returns the layer ids. ``cfg``: the
+    connector's options, if already parsed (:func:`config_from`)."""
     spec = vllm_config.speculative_config
     if spec is not None:
         raise ValueError(
@@ -30,7 +33,7 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
             '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
-    cfg = config_from(vllm_config)
+    cfg = cfg or config_from(vllm_config)
     layer_ids = list(cfg.layer_ids)
     if cfg.fp8:
         try:  # fp8 quantizes with hs-connectors' own code (a dependency of this package)

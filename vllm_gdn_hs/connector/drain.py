@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
-from vllm_gdn_hs.connector.request_rows import _PENDING_ROWS, _SHORT_RUN, RequestRows, host_view
+from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, failed
@@ -73,8 +73,10 @@ class Drain:
         hidden: int,
         dtype: torch.dtype,
         norms_width: int,
+        done: threading.Event,
     ):
         self.storage, self.writer, self.book = storage, writer, book
+        self.done = done  # set when the drain thread ends: the writer's last producer is gone
         self.num_layers, self.hidden, self.dtype, self.norms_width = (
             num_layers,
             hidden,
@@ -104,7 +106,7 @@ class Drain:
                 self.num_layers,
                 self.hidden,
                 self.dtype,
-                flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
+                flush_rows=PENDING_ROWS + self.created % PENDING_ROWS,
                 norms_width=self.norms_width,
             )
         except Exception as e:
@@ -114,6 +116,11 @@ class Drain:
             return
         self.created += 1
         self.requests[req.req_id] = ActiveRequest(rows, stored)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose rows are being filed."""
+        return len(self.requests)
 
     def put(self, task: Task) -> None:
         self.tasks.put(task)
@@ -132,8 +139,14 @@ class Drain:
         return not self.thread.is_alive()
 
     # -- drain thread -----------------------------------------------------------------
-    @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.done.set()
+
+    @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
+    def _run(self) -> None:
         while True:
             try:
                 task = self.tasks.get(timeout=0.5)
@@ -169,7 +182,7 @@ class Drain:
                 if active is None:
                     continue  # aborted, or finished before this step's rows
                 s, e = qsl[i], qsl[i + 1]
-                if e - s > _SHORT_RUN:
+                if e - s > SHORT_RUN:
                     try:
                         active.rows.put(positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
                     except Exception as err:  # this request alone loses its file

@@ -12,7 +12,7 @@ from vllm_gdn_hs.connector.metadata import NewRequest
 # of 32 to 63 rows per request (staggered, so that requests decoding in lockstep do not
 # all file in the same step); longer runs (prefill chunks) are copied at once. So up to
 # 63 steps' blocks of decode rows stay alive: at 27B with 256 requests decoding, 1 GB.
-_SHORT_RUN, _PENDING_ROWS = 4, 32
+SHORT_RUN, PENDING_ROWS = 4, 32
 
 
 class RequestRows:
@@ -33,7 +33,7 @@ class RequestRows:
         num_layers: int,
         hidden: int,
         dtype: torch.dtype,
-        flush_rows: int = _PENDING_ROWS,
+        flush_rows: int = PENDING_ROWS,
         norms_width: int | None = None,
     ):
         self.req = req

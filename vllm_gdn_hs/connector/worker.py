@@ -59,13 +59,9 @@ class HybridHiddenStatesConnectorWorker:
         self.warned: set[str] = set()
         self.storage = storage_for(cfg)
         self.storage.open_worker_side()
+        drain_done = threading.Event()
         self.writer = Writer(
-            cfg,
-            self.storage,
-            self.book,
-            num_layers,
-            self._warn_once,
-            producer_alive=lambda: self.drain.thread.is_alive(),
+            cfg, self.storage, self.book, num_layers, self._warn_once, producer_done=drain_done
         )
         self.drain = Drain(
             self.storage,
@@ -75,6 +71,7 @@ class HybridHiddenStatesConnectorWorker:
             hidden,
             self.ring.hidden_states.dtype,  # as stored: fp8 with cfg.fp8
             norms_width=num_layers + cfg.fp8,
+            done=drain_done,
         )
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
@@ -108,8 +105,8 @@ class HybridHiddenStatesConnectorWorker:
                 "host_buffers)",
                 CONNECTOR_NAME,
                 waited,
-                self.writer.writing,
-                self.writer.backlog_bytes / 1e9,
+                (gauges := self.writer.gauges())["writing"],
+                gauges["backlog_bytes"] / 1e9,
             )
         self.drain.put(StepRows(slot, req_ids, query_start_loc_cpu.tolist()))
         self.book.add(steps=1, engine_waited_s=waited, engine_save_s=time.perf_counter() - t0)
@@ -122,9 +119,7 @@ class HybridHiddenStatesConnectorWorker:
 
     def gauges(self) -> dict[str, int]:
         """:attr:`WriterStats.GAUGES` now."""
-        with self.writer.cond:
-            writing, backlog = self.writer.writing, self.writer.backlog_bytes
-        return {"writing": writing, "backlog_bytes": backlog, "in_flight": len(self.drain.requests)}
+        return {**self.writer.gauges(), "in_flight": self.drain.in_flight}
 
     def interval_stats(self) -> dict[str, float]:
         """The counters' change since the last call and the gauges that moved (vLLM's
@@ -147,10 +142,6 @@ class HybridHiddenStatesConnectorWorker:
         if key not in self.warned:
             self.warned.add(key)
             logger.warning(msg, *args)
-
-    def drained(self, timeout: float) -> bool:
-        """Wait until the drain thread has done every task queued before this call."""
-        return self.drain.flushed(timeout)
 
     # -- shutdown ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

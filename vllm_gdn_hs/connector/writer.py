@@ -30,7 +30,7 @@ from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
-_POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
+POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
 
 
 @dataclass(eq=False)  # by identity: the set of running writes holds them
@@ -49,11 +49,11 @@ class Writer:
         book: StatsBook,
         num_layers: int,
         warn_once: Callable[..., None],
-        producer_alive: Callable[[], bool] = lambda: False,
+        producer_done: threading.Event,
     ):
         self.cfg, self.storage, self.book, self.num_layers = cfg, storage, book, num_layers
         self.warn_once = warn_once
-        self.producer_alive = producer_alive  # the drain thread, which submits
+        self.producer_done = producer_done  # set when the drain thread, which submits, ends
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.running: set[WriteJob] = set()
         # The backlog and the writes in flight, shared by the drain thread and the writers.
@@ -102,14 +102,19 @@ class Writer:
         else:
             self.jobs.put(job)
 
+    def gauges(self) -> dict[str, int]:
+        """Files queued or being written, and their rows' bytes in host memory."""
+        with self.cond:
+            return {"writing": self.writing, "backlog_bytes": self.backlog_bytes}
+
     # -- write threads ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             try:
-                job = self.jobs.get(timeout=_POLL_S)
+                job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
                 # The process is ending without close(): finish the queue, then go.
-                if not threading.main_thread().is_alive() and not self.producer_alive():
+                if not threading.main_thread().is_alive() and self.producer_done.is_set():
                     return
                 continue
             if job is None:
