@@ -65,8 +65,8 @@ def load_hf_model(model_dir: str, device: str = "cuda", dtype: torch.dtype = tor
 
 @contextmanager
 def _no_tf32():
-    """fp32 means fp32: no TF32 in matmuls or cuDNN convolutions (the GDN conv). On the
-    H200, TF32 moved the fp32 reference by 5-15% of bf16's error."""
+    """fp32 means fp32: no TF32 in matmuls or cuDNN convolutions (the GDN conv): TF32 moves
+    the fp32 reference by a noticeable part of bf16's error."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:

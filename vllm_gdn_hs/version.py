@@ -40,9 +40,8 @@ NEEDS_OVERRIDES = ("0.34.0",)
 # - vLLM's V1 GPU model runner exists up to 0.33.0; 0.34.0 deleted it (v1/worker/
 #   gpu_model_runner.py and its mixins), so its patch is never imported from 0.34.0 on.
 # - On 0.33.0, where both exist, the plugin keeps V1 by default and runs V2 when
-#   VLLM_USE_V2_MODEL_RUNNER=1 asks for it: on 0.33.0 the whole GPU suite and the 27B
-#   benchmark with CUDA graphs passed on V1 (0.990-0.992 of plain vLLM), while on V2 only the
-#   CUDA-graph accuracy test and eager 27B runs did (tests/results/README.md). From
+#   VLLM_USE_V2_MODEL_RUNNER=1 asks for it: V1 is the runner the GPU suite covers there, V2
+#   only its CUDA-graph accuracy test and eager runs (tests/results/README.md). From
 #   V2_DEFAULT_FROM, V2 is the default (0.34.0: the only runner).
 MODEL_RUNNER_V2_FROM = "0.33.0"
 V1_RUNNER_UNTIL = "0.33.0"
@@ -125,12 +124,8 @@ def runner_in_use() -> str:
     return "V1 (the only runner the plugin supports on this vLLM)"
 
 
-def supported_releases() -> list[str]:
-    return list(RELEASES)
-
-
 def describe_releases() -> str:
-    """The supported releases in a few words: ``0.20.1 to 0.33.0`` (``, except ...``)."""
+    """The supported releases in a few words: ``<first> to <last>`` (``, except ...``)."""
     span = f"{RELEASES[0]} to {RELEASES[-1]}" if len(RELEASES) > 2 else " or ".join(RELEASES)
     return span + (f", except {', '.join(sorted(REFUSED))}" if REFUSED else "")
 

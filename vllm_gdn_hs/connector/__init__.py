@@ -77,7 +77,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = config_from(vllm_config)
-        self.layer_ids = validate_vllm_config(vllm_config)
+        self.layer_ids = validate_vllm_config(vllm_config, self.cfg)
         self._scheduler: HybridHiddenStatesConnectorScheduler | None = None
         self._worker: HybridHiddenStatesConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -174,8 +174,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         """The ``vllm:hidden_states_*`` series of vLLM's ``/metrics`` (:mod:`.stats`)."""
-        if HiddenStatesPromMetrics is None:  # pragma: no cover
-            return None
         return HiddenStatesPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )

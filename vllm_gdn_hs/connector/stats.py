@@ -15,13 +15,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-try:  # vLLM's stats containers for KV connectors (every supported release has them; probed)
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-    )
-except ImportError:  # pragma: no cover - a release without them: the log lines only
-    KVConnectorPromMetrics = KVConnectorStats = None
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 
 @dataclass
@@ -115,46 +112,39 @@ class StatsBook:
         return delta
 
 
-if KVConnectorStats is not None:
+@dataclass
+class HiddenStatesKVConnectorStats(KVConnectorStats):
+    """The writer's figures over one interval (``data``: a counter's change, a gauge's
+    new value), as vLLM's stats loggers collect them from the worker: counters are summed,
+    a gauge keeps its newest value."""
 
-    @dataclass
-    class HiddenStatesKVConnectorStats(KVConnectorStats):
-        """The writer's figures over one interval (``data``: a counter's change, a gauge's
-        new value), as vLLM's stats loggers collect them from the worker: counters are summed,
-        a gauge keeps its newest value."""
+    def reset(self) -> None:
+        self.data = {}
 
-        def reset(self) -> None:
-            self.data = {}
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
+        return self
 
-        def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-            for k, v in (other.data or {}).items():
-                self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
-            return self
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's counters. Not the gauges: vLLM's aggregated logging of several
+        engines feeds one accumulator, where one engine's value would read as the total
+        (Prometheus has them per engine; the progress line has this engine's)."""
+        return {
+            k: round(v, 3) if isinstance(v, float) else v
+            for k, v in sorted(self.data.items())
+            if k not in WriterStats.GAUGES
+        }
 
-        def reduce(self) -> dict[str, int | float]:
-            """The log line's counters. Not the gauges: vLLM's aggregated logging of several
-            engines feeds one accumulator, where one engine's value would read as the total
-            (Prometheus has them per engine; the progress line has this engine's)."""
-            return {
-                k: round(v, 3) if isinstance(v, float) else v
-                for k, v in sorted(self.data.items())
-                if k not in WriterStats.GAUGES
-            }
+    def is_empty(self) -> bool:  # a gauge back at 0 is news
+        return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
-        def is_empty(self) -> bool:  # a gauge back at 0 is news
-            return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
-    def kv_connector_stats(
-        data: dict[str, Any] | None, empty: bool = False
-    ) -> HiddenStatesKVConnectorStats | None:
-        """vLLM's stats object for ``data``; None for no data unless ``empty``."""
-        return HiddenStatesKVConnectorStats(data=dict(data or {})) if data or empty else None
-
-else:  # pragma: no cover
-    HiddenStatesKVConnectorStats = None
-
-    def kv_connector_stats(data: dict[str, Any] | None, empty: bool = False) -> None:
-        return None
+def kv_connector_stats(
+    data: dict[str, Any] | None, empty: bool = False
+) -> HiddenStatesKVConnectorStats | None:
+    """vLLM's stats object for ``data``; None for no data unless ``empty``."""
+    return HiddenStatesKVConnectorStats(data=dict(data or {})) if data or empty else None
 
 
 # WriterStats field -> the Prometheus series vLLM's /metrics shows it as, and its help text.
@@ -206,38 +196,33 @@ PROM_SERIES = {
 }
 
 
-if KVConnectorPromMetrics is not None:
+class HiddenStatesPromMetrics(KVConnectorPromMetrics):
+    """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
+    labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
+    interval's :class:`HiddenStatesKVConnectorStats` data."""
 
-    class HiddenStatesPromMetrics(KVConnectorPromMetrics):
-        """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
-        labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
-        interval's :class:`HiddenStatesKVConnectorStats` data."""
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.per_engine: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_SERIES.items():
+            if key in WriterStats.GAUGES:
+                metric = self._gauge_cls(
+                    name=name,
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                )
+            else:
+                metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self.per_engine[key] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
-        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self.per_engine: dict[str, dict[int, Any]] = {}
-            for key, (name, doc) in PROM_SERIES.items():
-                if key in WriterStats.GAUGES:
-                    metric = self._gauge_cls(
-                        name=name,
-                        documentation=doc,
-                        labelnames=labelnames,
-                        multiprocess_mode="mostrecent",
-                    )
-                else:
-                    metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-                self.per_engine[key] = {
-                    idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
-                }
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            for key, value in transfer_stats_data.items():
-                if (child := self.per_engine.get(key, {}).get(engine_idx)) is None:
-                    continue  # a figure not exported (see PROM_SERIES)
-                if key in WriterStats.GAUGES:
-                    child.set(value)
-                elif value > 0:
-                    child.inc(value)
-
-else:  # pragma: no cover
-    HiddenStatesPromMetrics = None
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if (child := self.per_engine.get(key, {}).get(engine_idx)) is None:
+                continue  # a figure not exported (see PROM_SERIES)
+            if key in WriterStats.GAUGES:
+                child.set(value)
+            elif value > 0:
+                child.inc(value)

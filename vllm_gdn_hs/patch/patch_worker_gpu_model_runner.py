@@ -31,9 +31,8 @@ How, only when the connector is configured:
   starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
   decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but
   the GDN backend builds a prompt's first chunk as a prefill (no prior state),
-  which that graph does not run: the request read a recycled state and its
-  hidden states came out wrong (vLLM 0.33.0, H200: error 0.14-0.25 against HF
-  fp32 at every layer, 16x HF bf16's). The step runs as a piecewise graph instead.
+  which that graph does not run: the request would read a recycled state and get
+  wrong hidden states at every layer. The step runs as a piecewise graph instead.
 
 Applied up to vLLM 0.33.0, the last release with this runner (``version.V1_RUNNER_UNTIL``);
 on 0.33.0 only when ``VLLM_USE_V2_MODEL_RUNNER=0`` makes vLLM pick it. What both runners do
