@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any, ClassVar
 
 from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.names import CONNECTOR_NAME
@@ -34,7 +35,7 @@ LAUNCHER_OPTIONS = {
 class FileLaunch:
     """One safetensors file per request under ``--hidden-states-path``."""
 
-    options: dict = {}  # connector options this backend sets
+    options: ClassVar[dict[str, Any]] = {}  # connector options this backend sets
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +105,7 @@ class FP8Launch(FileLaunch):
     one fp32 scale per token (``hidden_states_scales``), read by hs-connectors'
     ``FP8Transfer``; quantized on the GPU, so the copy out and host memory halve too."""
 
-    options = {"fp8": True}
+    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 class MooncakeLaunch(FileLaunch):
@@ -156,7 +157,7 @@ class MooncakeFP8Launch(MooncakeLaunch):
     and in the store. Not one of speculators' backends: the trainers run
     ``python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8`` (:mod:`.train`)."""
 
-    options = {"fp8": True}
+    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.

@@ -11,14 +11,23 @@ connector so that the patch can import it in every vLLM process without loading 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 _FIX = "use kv_connector HybridHiddenStatesConnector, alone or inside MultiConnector"
 
 
 @runtime_checkable
 class TakesHiddenStates(Protocol):
-    def save_hidden_states(self, hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
+    def save_hidden_states(
+        self,
+        hidden_states: torch.Tensor,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         """One step's rows [tokens, L, H] of the scheduled tokens, in batch order, with the
         request ids, query start locations (CPU) and each row's token position. The tensors
         are the runner's to drop after the call: a copy made later on another stream must
@@ -29,7 +38,7 @@ class TakesHiddenStates(Protocol):
         write take none: the runner then stacks nothing)."""
 
     @staticmethod
-    def profile_save_hidden_states(vllm_config, hidden_states) -> None:
+    def profile_save_hidden_states(vllm_config: Any, hidden_states: torch.Tensor) -> None:
         """The GPU work of ``save_hidden_states`` on dummy rows of the largest step, in the
         runner's ``profile_run``, so that the KV cache is sized with its temporaries."""
 

@@ -320,7 +320,7 @@ class HFReference:
         if not keys:
             return
         self._make_room(len(keys))
-        refs = {}
+        refs: dict[tuple[int, ...], list] = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = self.model(dtype)
             states = hf_hidden_states(
@@ -347,7 +347,8 @@ class HFReference:
 
             ref16 = dequantize_fp8_tensor(*quantize_tensor_to_fp8(ref16))
         problems = file_problems(data, seq, len(self.layer_ids), ref32.shape[-1])
-        ours, hf = [], []
+        ours: list = []
+        hf: list = []
         if hs.shape == ref32.shape:
             ours, hf, failing = within_bar(hs, ref32, ref16, self.layer_ids)
             problems += failing

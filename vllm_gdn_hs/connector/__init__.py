@@ -181,8 +181,13 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # ==============================
     # Scheduler side
     # ==============================
+    def _sched(self) -> HybridHiddenStatesConnectorScheduler:
+        if self._scheduler is None:
+            raise RuntimeError(f"{type(self).__name__}: a scheduler-side call on the worker side")
+        return self._scheduler
+
     def on_new_request(self, request: Request) -> None:  # vLLM 0.33.0 calls it
-        self._scheduler.on_new_request(request)
+        self._sched().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -192,15 +197,15 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler.on_allocated(request)
+        self._sched().on_allocated(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        return self._sched().build_meta(scheduler_output)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.on_finished(request)
+        return False, self._sched().on_finished(request)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

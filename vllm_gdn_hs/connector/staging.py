@@ -159,7 +159,7 @@ class HostRing:
                 slot.hidden_states.copy_(rows, non_blocking=True)
                 slot.norms.copy_(norms, non_blocking=True)
                 slot.positions.copy_(positions, non_blocking=True)
-                slot.copied.record(self.stream)
+                slot.copied.record(self.stream)  # type: ignore[union-attr]  # made with CUDA
             # Made on the compute stream, read on this one: not reused before the copies end.
             for t in (hidden_states, rows, norms, positions):
                 t.record_stream(self.stream)

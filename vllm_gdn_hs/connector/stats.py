@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,7 @@ class WriterStats:
             f"{self.in_flight} requests in flight{since}; {self.timing_summary()}"
         )
 
-    def shutdown_line(self, unfinished_ids: list[str] = (), unit: str = "files") -> str:
+    def shutdown_line(self, unfinished_ids: Sequence[str] = (), unit: str = "files") -> str:
         lost = f", {self.lost_at_shutdown} lost at shutdown" if self.lost_at_shutdown else ""
         ids = f" ({', '.join(unfinished_ids[:5])})" if unfinished_ids else ""
         return (
@@ -100,7 +101,7 @@ class StatsBook:
         with self.lock:
             return dataclasses.replace(self._stats)
 
-    def interval(self, gauges: dict[str, float] | None = None) -> dict[str, float]:
+    def interval(self, gauges: Mapping[str, float] | None = None) -> dict[str, float]:
         """The counters' change since the last call, and each of ``gauges`` (name -> value
         now) whose value changed since; empty if nothing changed."""
         gauges = gauges or {}
@@ -119,7 +120,7 @@ class HiddenStatesKVConnectorStats(KVConnectorStats):
     a gauge keeps its newest value."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in (other.data or {}).items():

@@ -121,7 +121,7 @@ def __post_init__(self: VllmConfig) -> None:
 
 
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
-    unsupported = _orig_v2_unsupported(self)
+    unsupported = _orig_v2_unsupported(self)  # type: ignore[misc]  # patched only where set
     if is_ours(self.kv_transfer_config) and not model_runner_v2_asked_for():
         unsupported.append(CONNECTOR_NAME)
     return unsupported
