@@ -24,12 +24,20 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from vllm_gdn_hs.config import HiddenStatesConfig
+
+class StorageConfig(Protocol):
+    """What a backend reads of the connector's options (``config.HiddenStatesConfig``)."""
+
+    shared_storage_path: str
+    custom_save_root: str | None
+    allow_custom_save_path: bool
+    use_synchronization_lock: bool
+    fp8: bool
 
 
 @dataclass
@@ -64,7 +72,7 @@ class HiddenStatesStorage(ABC):
     # The config field whose options pick this backend (``storage.registry``); None: the default.
     options_field: ClassVar[str | None] = None
 
-    def __init__(self, cfg: HiddenStatesConfig):
+    def __init__(self, cfg: StorageConfig):
         self.cfg = cfg
 
     # -- scheduler side ---------------------------------------------------------------

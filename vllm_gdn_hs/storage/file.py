@@ -11,18 +11,16 @@ from typing import TYPE_CHECKING
 
 from vllm_gdn_hs import files
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StoredRequest
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 
 if TYPE_CHECKING:
     import torch
-
-    from vllm_gdn_hs.config import HiddenStatesConfig
 
 logger = init_logger(__name__)
 
 
 class FileStorage(HiddenStatesStorage):
-    def __init__(self, cfg: HiddenStatesConfig):
+    def __init__(self, cfg: StorageConfig):
         super().__init__(cfg)
         self.storage_path = os.path.abspath(cfg.shared_storage_path)
         self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)

@@ -14,7 +14,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StoredRequest
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 from vllm_gdn_hs.storage.mooncake_client import MooncakeStore, manifest
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
@@ -52,9 +52,9 @@ class MooncakeStorage(HiddenStatesStorage):
     unit = "objects"
     options_field = "mooncake"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: StorageConfig):
         super().__init__(cfg)
-        self.options: MooncakeOptions = cfg.mooncake
+        self.options: MooncakeOptions = getattr(cfg, self.options_field)
         self.keys = KeyMaker()
         self.shape = RowShape([])
         self.store: MooncakeStore | None = None

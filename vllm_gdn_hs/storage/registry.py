@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from vllm_gdn_hs.storage.base import HiddenStatesStorage
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, StorageConfig
 from vllm_gdn_hs.storage.file import FileStorage
 from vllm_gdn_hs.storage.mooncake import MooncakeStorage
-
-if TYPE_CHECKING:
-    from vllm_gdn_hs.config import HiddenStatesConfig
 
 STORAGES: dict[str, type[HiddenStatesStorage]] = {
     "file": FileStorage,
@@ -17,7 +12,7 @@ STORAGES: dict[str, type[HiddenStatesStorage]] = {
 }
 
 
-def storage_for(cfg: HiddenStatesConfig) -> HiddenStatesStorage:
+def storage_for(cfg: StorageConfig) -> HiddenStatesStorage:
     """The backend whose options ``cfg`` sets (``options_field``), else the file backend; not
     opened yet (``open_scheduler_side`` or ``open_worker_side``)."""
     for cls in STORAGES.values():
