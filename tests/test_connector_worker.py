@@ -36,7 +36,8 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-from vllm_gdn_hs.files import check_rows, write_file
+from vllm_gdn_hs.files import write_file
+from vllm_gdn_hs.rows import check_rows
 
 L, H = 3, 16
 LOGGER = worker.logger.name

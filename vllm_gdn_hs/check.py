@@ -82,7 +82,8 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
         if rows:
             from safetensors.torch import load_file
 
-            from vllm_gdn_hs.files import check_rows, hidden_states_of
+            from vllm_gdn_hs.files import hidden_states_of
+            from vllm_gdn_hs.rows import check_rows
 
             if why := check_rows(hidden_states_of(load_file(path))):
                 raise ValueError(why)

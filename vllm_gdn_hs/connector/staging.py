@@ -1,12 +1,11 @@
 """Device-to-host staging: a ring of pinned host rows, a slot of each step's rows at a time,
 filled on a side stream.
 
-The GPU work (norms, and fp8 quantization) runs on the compute stream in chunks of
-:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and come out of
-the memory vLLM profiled (the runner patch runs it once on the largest step inside
-``profile_run``). The side stream only copies; ``record_stream`` keeps the step's GPU tensors
-alive until it has, so the runner holds no buffer between steps. A slot's rows are free again once
-the drain thread has filed them. On CPU (tests) the same path runs with plain copies.
+The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of
+:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and inside the
+memory vLLM profiled. The side stream only copies; ``record_stream`` keeps the step's GPU
+tensors alive until it has. A slot is free again once the drain thread has filed its rows.
+On CPU (tests) the same path runs with plain copies.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs.files import row_norms
+from vllm_gdn_hs.rows import row_norms
 
 CHUNK_TOKENS = 1024  # float32 temporaries of 1,024 x 6 x 5,120: 0.13 GB each at 27B size
 

@@ -1,15 +1,11 @@
 """The write pool and its backlog: finished requests' rows to their storage.
 
 The drain thread hands each finished request over as a :class:`WriteJob`; ``write_workers``
-threads check its rows and store them (:mod:`vllm_gdn_hs.storage`). Rows of finished
-requests not yet written are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit`
-waits, the drain thread stops freeing host buffers, and the engine slows to the speed of the
-writes instead of the host running out of memory.
-
-At shutdown :meth:`Writer.close` waits for every queued write until the deadline
-(``shutdown_drain_s``); what is still queued or running then is abandoned (its lock removed)
-and counted as lost at shutdown. The threads are not daemons: if the process exits without
-``close()`` (vLLM never called the connector's ``shutdown()``), they finish the queue first.
+threads check its rows and store them (:mod:`vllm_gdn_hs.storage`). The rows waiting are
+bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and the engine slows to
+the speed of the writes instead of the host running out of memory. :meth:`Writer.close`
+waits for the queue until the shutdown deadline, then abandons what is left (counted). The
+threads are not daemons: if the process exits without ``close()``, they finish the queue.
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ import torch
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
 from vllm_gdn_hs.connector.stats import StatsBook
-from vllm_gdn_hs.files import check_norms
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.rows import check_norms
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
