@@ -20,6 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+import vllm_gdn_hs.names
 import vllm_gdn_hs.plugin
 from vllm_gdn_hs import patch
 from vllm_gdn_hs.version import (

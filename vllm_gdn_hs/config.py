@@ -14,8 +14,8 @@ from pydantic import (
 )
 
 from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.storage.base import StorageOptions
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
-from vllm_gdn_hs.storage.options import StorageOptions
 
 
 class HiddenStatesConfig(BaseModel):

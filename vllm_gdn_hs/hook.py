@@ -1,12 +1,9 @@
 """The hook between the patched model runner and the connector that takes its rows.
 
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) checks at startup, when the
-runner is made, that the configured connector class implements :class:`TakesHiddenStates`
-(:func:`hidden_states_connector_class`), sizes the hand-over through it in ``profile_run``
-(before any connector exists), and calls :meth:`TakesHiddenStates.save_hidden_states` after
-every forward pass on ranks where :meth:`TakesHiddenStates.wants_hidden_states` says so;
-:class:`vllm_gdn_hs.connector.HybridHiddenStatesConnector` implements it. Kept apart from the
-connector so that the patch can import it in every vLLM process without loading the connector.
+The runner patches check at startup that the configured connector class implements
+:class:`TakesHiddenStates` (:func:`hidden_states_connector_class`), size the hand-over in
+``profile_run`` and call ``save_hidden_states`` after every forward pass on ranks that want
+rows. Apart from the connector, so that the patches import it without loading the connector.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
 
-``vllm-gdn-hs launch --hidden-states-backend mooncake-fp8`` puts each request's rows into the
-Mooncake store as the fp8 files hold them: float8_e4m3fn with one fp32 scale per token, half
-the bytes over the network and in the store's memory. hs-connectors' ``MooncakeTransfer``
-(speculators' ``mooncake`` backend) returns such an object as stored, and speculators cannot
-train on float8; :class:`MooncakeFP8Transfer` adds the dequantization of hs-connectors' own
-``FP8Transfer``, so the trainer sees the bf16 layout, as with fp8 files.
-
-speculators takes its backends from hs-connectors' registry when its training config is first
-imported, and that registry has no plugin entry point: this module registers ``mooncake-fp8``
-first, then runs speculators' own ``train`` with every argument unchanged::
+``--hidden-states-backend mooncake-fp8`` stores each request's rows as the fp8 files hold them
+(float8_e4m3fn, one fp32 scale per token: half the bytes). hs-connectors' ``MooncakeTransfer``
+returns such an object as stored, and speculators cannot train on float8;
+:class:`MooncakeFP8Transfer` adds ``FP8Transfer``'s dequantization (to bf16). hs-connectors'
+backend registry has no plugin entry point: this module registers ``mooncake-fp8``, then runs
+speculators' own ``train`` with every argument unchanged::
 
     python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
     torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train

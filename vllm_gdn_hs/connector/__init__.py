@@ -6,20 +6,11 @@ the paged KV cache, and subclasses ``SupportsHMA`` so GDN hybrid models (Qwen3.5
 the hybrid KV cache manager on. Like vLLM's ``OffloadingConnector`` it is a thin facade that
 hands each call to its side:
 
-- :mod:`.scheduler`: which file each request gets (``vllm_gdn_hs.files``), and the token ids
-  to write once it finishes;
-- :mod:`.worker`: the rows of each step, from the GPU through the pinned host ring
-  (:mod:`.staging`) and the drain thread (:mod:`.drain`) into each request's rows
-  (:mod:`.request_rows`), then through the writer (:mod:`.writer`) to the storage
-  (:mod:`vllm_gdn_hs.storage`: the file); its figures in :mod:`.stats`;
-- :mod:`.metadata`: what the scheduler side tells the worker side each step;
-- :mod:`.checks`: the startup checks.
-
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) hands over each step's rows
-through :class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements. The
-``extract_hidden_states`` speculative config that speculators passes only carries the layer
-ids: the config patch turns it into ``kv_connector_extra_config["layer_ids"]`` and runs no
-speculative decoding (``patch/patch_config_vllm.py``).
+:mod:`.scheduler` (where each request's hidden states go, and its token ids once it
+finished), :mod:`.worker` (each step's rows from the GPU to the storage, :mod:`.worker` says
+through what), :mod:`.metadata` (what the scheduler side tells the worker side each step) and
+:mod:`.checks` (the startup checks). The runner patches hand over each step's rows through
+:class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements.
 """
 
 from __future__ import annotations
@@ -59,11 +50,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
-    "FinishedRequest",
-    "HybridHiddenStatesConnector",
-    "HybridHiddenStatesConnectorMetadata",
+    "FinishedRequest", "HybridHiddenStatesConnector", "HybridHiddenStatesConnectorMetadata",
     "NewRequest",
-]
+]  # fmt: skip
 
 
 class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenStates):
@@ -104,10 +93,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # Worker side
     # ==============================
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        # The step's new and finished requests must reach the worker before the forward
-        # pass hands over its rows. vLLM binds the metadata before the forward in every
-        # release, but from 0.29.0 calls start_load_kv only after it (when no load is
-        # synchronous), so the metadata is taken here.
+        # The step's requests must reach the worker before the forward hands over its rows:
+        # vLLM binds the metadata before the forward, but from 0.29.0 may call start_load_kv
+        # only after it.
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, HybridHiddenStatesConnectorMetadata)

@@ -70,10 +70,8 @@ def validate_vllm_config(
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     from vllm_gdn_hs.version import runs_model_runner_v2
 
-    # Before 0.33.0 only the V1 runner is patched: vLLM 0.26.0 decides the runner in
-    # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable. From
-    # 0.33.0 the patched V2 runner is the plugin's path (and from 0.34.0 the only runner,
-    # where vLLM has neither the variable nor the property).
+    # Before 0.33.0 only the V1 runner is patched (vLLM decides the runner in VllmConfig from
+    # 0.26.0, by the variable before); from 0.33.0 the patched V2 runner is the plugin's path.
     if not runs_model_runner_v2() and _v2_model_runner_chosen(vllm_config):
         raise ValueError(
             f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner on this vLLM: unset "

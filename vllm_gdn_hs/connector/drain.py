@@ -1,11 +1,10 @@
 """The drain thread: each step's rows from the host ring into each request's rows, and each
 finished request to the writer.
 
-The engine thread queues typed tasks (:class:`StepRows`, :class:`Finish`, :class:`Flush`,
-:class:`Stop`); the drain thread runs them in order. Rows are filed by token position (a
-position written again keeps the later row: chunked prefill and preemption come out right).
-A request's place in the storage (its lock) belongs to its :class:`ActiveRequest`, from its
-first step until it is handed to the writer or abandoned.
+The engine thread queues typed tasks; the drain thread runs them in order. Rows are filed by
+token position (a position written again keeps the later row: chunked prefill and preemption
+come out right). A request's place in the storage belongs to its :class:`ActiveRequest` until
+it is handed to the writer or abandoned.
 """
 
 from __future__ import annotations
@@ -77,12 +76,8 @@ class Drain:
     ):
         self.storage, self.writer, self.book = storage, writer, book
         self.done = done  # set when the drain thread ends: the writer's last producer is gone
-        self.num_layers, self.hidden, self.dtype, self.norms_width = (
-            num_layers,
-            hidden,
-            dtype,
-            norms_width,
-        )
+        self.num_layers, self.hidden, self.dtype = num_layers, hidden, dtype
+        self.norms_width = norms_width
         self.requests: dict[str, ActiveRequest] = {}
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks

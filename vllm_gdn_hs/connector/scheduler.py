@@ -1,5 +1,4 @@
-"""The connector's scheduler side: where each request's hidden states go, and when it is
-finished.
+"""The connector's scheduler side: where each request's hidden states go, and when it ended.
 
 Request ids and ``kv_transfer_params`` come from the network: the params are checked with
 :func:`vllm_gdn_hs.config.request_params` and the place made by the storage backend

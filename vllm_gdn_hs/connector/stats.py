@@ -1,12 +1,8 @@
-"""The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines, the
-benchmarks (``benchmarks/writer_throughput.py``, ``decode_contention.py``) and vLLM's stats
-loggers: its ``KVConnectorStats`` (:class:`HiddenStatesKVConnectorStats`, vLLM's ``KV Transfer
-metrics`` log line) and its Prometheus ``/metrics`` (:class:`HiddenStatesPromMetrics`, the
-``vllm:hidden_states_*`` series per engine).
-
-The log lines keep their wording: ``benchmarks/logparse.py`` finds the last one in an engine
-log of a run it did not start in-process.
-"""
+"""The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines,
+the benchmarks and vLLM's stats loggers: its ``KV Transfer metrics`` log line
+(:class:`HiddenStatesKVConnectorStats`) and Prometheus ``/metrics``
+(:class:`HiddenStatesPromMetrics`). The log lines keep their wording: ``benchmarks/logparse.py``
+parses them."""
 
 from __future__ import annotations
 

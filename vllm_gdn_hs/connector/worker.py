@@ -1,16 +1,11 @@
 """The connector's worker side: a request's rows from the GPU to its storage.
 
-After each forward pass the patched runner hands the step's rows to :meth:`save`
-(``HybridHiddenStatesConnector.save_hidden_states``), which starts their copy into a pinned
-host slot (:mod:`.staging`) and queues them for the drain thread (:mod:`.drain`), which files
-them into each request's rows (:mod:`.request_rows`). When the scheduler side says a request
-finished, the drain thread hands it to the writer (:mod:`.writer`: the write pool and its
-backlog), which stores it (:mod:`vllm_gdn_hs.storage`: the file backend writes one
-safetensors file and releases its ``.lock``). A failure costs only that request its file:
-logged once with its id, counted (:mod:`.stats`), no file and no lock.
-
-Shutdown (:meth:`close`) drains everything queued within ``shutdown_drain_s``; a request not
-written by then loses its lock and is counted as lost at shutdown.
+:meth:`save` starts each step's copy into a pinned host slot (:mod:`.staging`) and queues it
+for the drain thread (:mod:`.drain`), which files the rows by request (:mod:`.request_rows`)
+and hands each finished request to the writer (:mod:`.writer`), which stores it
+(:mod:`vllm_gdn_hs.storage`). A failure costs only that request its hidden states: logged once
+with its id, counted (:mod:`.stats`). :meth:`close` drains what is queued within
+``shutdown_drain_s``; a request not written by then is given up and counted.
 """
 
 from __future__ import annotations
@@ -169,10 +164,9 @@ class HybridHiddenStatesConnectorWorker:
 
 @contextlib.contextmanager
 def _signals_logged(timeout: float):
-    """SIGINT and SIGTERM are logged, not acted on, while the writes drain (vLLM's engine
-    core puts the default handlers back before its teardown, so a second signal would end
-    the process mid-write); the drain itself is bounded by ``timeout``. Only the main
-    thread can set handlers: elsewhere nothing changes."""
+    """SIGINT and SIGTERM are logged, not acted on, while the writes drain (within
+    ``timeout``): vLLM's engine core puts the default handlers back before its teardown, so a
+    second signal would end the process mid-write. Only the main thread can set handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

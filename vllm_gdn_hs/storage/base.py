@@ -1,22 +1,10 @@
 """The interface of a storage backend, both its halves.
 
-The scheduler side (:meth:`~HiddenStatesStorage.open_scheduler_side`) decides where each
-request's hidden states go (:meth:`~HiddenStatesStorage.place_for`: a file's path, an object's
-key) and what its response's ``kv_transfer_params`` say (:meth:`~HiddenStatesStorage.response`).
-
-The worker side (:meth:`~HiddenStatesStorage.open_worker_side`) goes through each request's
-lifecycle:
-
-- :meth:`~HiddenStatesStorage.start` when the request is first scheduled, before its place can
-  reach a client: reserve it (the file backend takes ``<file>.lock``);
-- :meth:`~HiddenStatesStorage.write` once it finished, from a write thread: store its rows
-  and token ids and release the place (the reader may take it from then on);
-- :meth:`~HiddenStatesStorage.abandon` when it gets nothing (aborted, failed, or not written
-  within ``shutdown_drain_s``): release the place so that its reader fails at once instead of
-  waiting. It may be called while a write of the same request runs (shutdown), and more than
-  once;
-- :meth:`~HiddenStatesStorage.begin_close` when shutdown starts, and
-  :meth:`~HiddenStatesStorage.close` once every request was written or abandoned.
+The scheduler side names each request's place (a file's path, an object's key) and makes its
+response's ``kv_transfer_params``. The worker side reserves the place when the request is first
+scheduled (:meth:`~HiddenStatesStorage.start`), stores it once it finished (``write``, from a
+write thread) or gives it up (``abandon``: aborted, failed or too late; also while a write of
+it runs, and more than once), and closes at shutdown (``begin_close``, then ``close``).
 """
 
 from __future__ import annotations
@@ -25,6 +13,8 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from pydantic import BaseModel
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +28,14 @@ class StorageConfig(Protocol):
     allow_custom_save_path: bool
     use_synchronization_lock: bool
     fp8: bool
+
+
+class StorageOptions(BaseModel):
+    """The base of a backend's own options (a field of the connector's config)."""
+
+    def check_config(self, cfg: Any) -> None:
+        """Check or settle the connector's other options (``cfg``: the ``HiddenStatesConfig``
+        being validated, which holds these options) as this backend needs them."""
 
 
 @dataclass
@@ -59,9 +57,7 @@ class StoredRequest:
 
 
 @dataclass(frozen=True)
-class RowShape:
-    """What the scheduler side knows of every request's rows: layers, width, model dtype."""
-
+class RowShape:  # what the scheduler side knows of every request's rows
     layer_ids: list[int]
     hidden: int = 0
     dtype: Any = None  # torch.dtype; None where no backend needs it
@@ -94,8 +90,7 @@ class HiddenStatesStorage(ABC):
 
     @abstractmethod
     def start(self, req_id: str, place: str) -> StoredRequest:
-        """Reserve the request's place; raises if it cannot have one (the request alone then
-        gets no hidden states)."""
+        """Reserve the request's place; raises if it cannot (that request alone loses out)."""
 
     @abstractmethod
     def write(
@@ -116,5 +111,4 @@ class HiddenStatesStorage(ABC):
         """Shutdown has started: writes that wait on the backend should give up soon."""
 
     def close(self, deadline: float | None = None) -> None:  # noqa: B027 - optional
-        """At shutdown, once every request was written or abandoned; done by ``deadline``
-        (monotonic: the end of ``shutdown_drain_s``)."""
+        """Once every request was written or abandoned; done by ``deadline`` (monotonic)."""

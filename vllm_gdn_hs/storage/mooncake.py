@@ -1,12 +1,8 @@
 """The mooncake backend: each request's rows as one object in a Mooncake store, read by
-hs-connectors' ``MooncakeTransfer`` (speculators' ``--hidden-states-backend mooncake``).
-
-The scheduler side names each object (:class:`KeyMaker`) and answers with hs-connectors' v1
-manifest (:func:`~vllm_gdn_hs.storage.mooncake_client.manifest`); the worker side puts the
-objects through this server's client (:class:`~vllm_gdn_hs.storage.mooncake_client.
-MooncakeStore`). Its options are :mod:`.mooncake_options`. No lock: the reader waits for the
-object or its error object; fp8 objects carry their scales (read by :mod:`vllm_gdn_hs.train`).
-"""
+hs-connectors' ``MooncakeTransfer``. The scheduler side names the objects (:class:`KeyMaker`)
+and answers with hs-connectors' manifest; the worker side puts them through this server's
+client (:mod:`.mooncake_client`); the options are :mod:`.mooncake_options`. No lock: the
+reader waits for the object or its error object."""
 
 from __future__ import annotations
 
@@ -34,10 +30,9 @@ def _sanitize_key(request_id: str) -> str:
 
 
 class KeyMaker:
-    """The scheduler side's keys: ``sanitize_key(request_id)`` (cut to 160 characters), then
-    ``-`` and a tag no other request of any engine gets (12 random hex digits drawn once
-    per scheduler, then a counter). ``sanitize_key`` maps many ids to one key, and request ids
-    repeat across engines and restarts: the tag keeps each object on its own request."""
+    """``sanitize_key(request_id)`` (cut to 160 characters), ``-`` and a tag no other request
+    of any engine gets (random per scheduler, then a counter): ``sanitize_key`` maps many ids
+    to one key, and ids repeat across engines and restarts."""
 
     def __init__(self) -> None:
         self.tag = secrets.token_hex(6)

@@ -1,10 +1,8 @@
 """The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``.
 
-The same object, with the same keys and meaning, as speculators' launcher puts there
-(``dataclasses.asdict`` of hs-connectors' ``MooncakeStoreConfig``, built by
-``launch_vllm.py --hidden-states-backend mooncake``), so a config written for hs-connectors'
-``MooncakeHiddenStatesConnector`` runs here unchanged. Apart from :mod:`.mooncake`, like
-:mod:`vllm_gdn_hs.config`, so the launcher checks it without importing torch or vLLM.
+The same keys and meaning as speculators' launcher puts there (hs-connectors'
+``MooncakeStoreConfig``), so a config written for hs-connectors' connector runs here
+unchanged. Apart from :mod:`.mooncake`, so the launcher checks it without torch or vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from vllm_gdn_hs.names import CONNECTOR_NAME
-from vllm_gdn_hs.storage.options import StorageOptions
+from vllm_gdn_hs.storage.base import StorageOptions
 
 GIB = 1024**3
 

@@ -6,10 +6,8 @@ from vllm_gdn_hs.storage.base import HiddenStatesStorage, StorageConfig
 from vllm_gdn_hs.storage.file import FileStorage
 from vllm_gdn_hs.storage.mooncake import MooncakeStorage
 
-STORAGES: dict[str, type[HiddenStatesStorage]] = {
-    "file": FileStorage,
-    "mooncake": MooncakeStorage,
-}
+# One line per backend: its module holds both its halves.
+STORAGES: dict[str, type[HiddenStatesStorage]] = {"file": FileStorage, "mooncake": MooncakeStorage}
 
 
 def storage_for(cfg: StorageConfig) -> HiddenStatesStorage:
