@@ -41,10 +41,10 @@ if not GPU:
 
 import vllm.plugins  # noqa: E402
 
-import vllm_gdn_hs  # noqa: E402
+import vllm_gdn_hs.plugin  # noqa: E402
 
 vllm.plugins.load_general_plugins()
-if not vllm_gdn_hs._registered:
+if not vllm_gdn_hs.plugin._registered:
     raise RuntimeError(
         "vLLM's plugin loader did not load vllm_gdn_hs: is it installed (pip install -e .) "
         "and not excluded by VLLM_PLUGINS?"

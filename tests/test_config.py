@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from vllm.config import KVTransferConfig
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import extraction_config, is_ours, request_params
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 def test_is_ours_from_dict_or_object():

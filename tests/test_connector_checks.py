@@ -47,7 +47,7 @@ def test_valid_config_starts(hybrid_model, tmp_path):
     cfg = harness.engine_config(hybrid_model, storage=str(storage), layer_ids=(8, 1, 4))
     conn = make(cfg)
     assert conn.layer_ids == [8, 1, 4]
-    assert conn._scheduler.storage_path == str(storage)
+    assert conn._scheduler.storage.storage_path == str(storage)
     assert storage.is_dir() and os.listdir(storage) == []  # created, probe removed
 
 

@@ -36,7 +36,8 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-from vllm_gdn_hs.files import check_rows, write_file
+from vllm_gdn_hs.files import write_file
+from vllm_gdn_hs.rows import check_rows
 
 L, H = 3, 16
 LOGGER = worker.logger.name
@@ -241,7 +242,7 @@ def test_decode_rows_are_filed_once_a_request_skips_a_step(writer, storage):
     save(writer, ("a", 2, rows(1)), ("b", 2, rows(1)))
     save(writer, ("a", 3, rows(1)), ("b", 3, rows(1)))
     save(writer, ("b", 4, rows(1)))
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     a, b = writer.drain.requests["a"].rows, writer.drain.requests["b"].rows
     assert a.pending == [] and bytes(a.seen[:4]) == b"\x01" * 4
     assert len(b.pending) == 5 and writer.drain.deferring == {b}
@@ -504,13 +505,13 @@ def test_progress_line_without_finished_files(writer, storage, caplog):
     new(writer, storage, a=4)
     writer.logged = (0.0, 0, 0)  # the last line is long past
     save(writer, ("a", 0, rows(4)))
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     lines = [r.getMessage() for r in caplog.records if "requests in flight" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "0 files (0.00 GB) written" in lines[0] and "1 requests in flight" in lines[0]
     assert "1 steps; per step" in lines[0]
     save(writer, ("a", 4, rows(1)))  # within 30 s of that line: no other
-    assert writer.drained(10)
+    assert writer.drain.flushed(10)
     assert len([r for r in caplog.records if "requests in flight" in r.getMessage()]) == 1
 
 
@@ -724,13 +725,14 @@ def test_stats_reach_vllms_kv_connector_logging(storage):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-    import vllm_gdn_hs
+    import vllm_gdn_hs.names
+    import vllm_gdn_hs.plugin
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
     connector = object.__new__(HybridHiddenStatesConnector)  # its worker side alone
     connector._worker = w = make_writer(storage)
-    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+    kv = KVTransferConfig(kv_connector=vllm_gdn_hs.names.CONNECTOR_NAME, kv_role="kv_producer")
     vllm_log = KVConnectorLogging(kv)
     assert connector.get_kv_connector_stats() is None  # nothing yet
     written, real_add = threading.Semaphore(0), w.book.add
@@ -789,10 +791,11 @@ def test_stats_reach_vllms_prometheus_metrics(storage, monkeypatch, hybrid_model
     from vllm.v1.metrics.loggers import PrometheusStatLogger
     from vllm.v1.metrics.stats import SchedulerStats
 
-    import vllm_gdn_hs
+    import vllm_gdn_hs.names
+    import vllm_gdn_hs.plugin
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
     prom = PrometheusStatLogger(
         harness.engine_config(hybrid_model, connector=harness.OURS), engine_indexes=[0, 1]
     )

@@ -27,6 +27,7 @@ from vllm_gdn_hs.connector.metadata import (
 )
 from vllm_gdn_hs.connector.staging import rows_and_norms
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
+from vllm_gdn_hs.rows import row_norms
 
 L, H = 4, 64
 _gen = torch.Generator().manual_seed(0)
@@ -112,7 +113,7 @@ def test_staging_in_chunks_changes_no_value(fp8):
     bit for bit what hs-connectors and the norms give for the whole step at once."""
     step = rows(50)
     got_rows, got_norms = rows_and_norms(step, fp8, chunk=7)
-    want_norms = files.row_norms(step)
+    want_norms = row_norms(step)
     if fp8:
         want_rows, want_scales = quantize_tensor_to_fp8(step)
         want_norms = torch.cat([want_norms, want_scales.view(-1, 1)], dim=1)

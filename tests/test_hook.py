@@ -15,13 +15,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 from vllm_gdn_hs.hook import (
     TakesHiddenStates,
     hidden_states_connector,
     hidden_states_connector_class,
 )
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 def _bare(cls, **attrs):
@@ -65,9 +65,9 @@ def _config(kv_connector: str, **extra):
 def test_the_connector_class_is_checked_at_startup_through_vllms_factory():
     """Before any connector exists (the runner's __init__ and profile_run), the class vLLM's
     factory will make is found and checked: ours, alone or inside MultiConnector."""
-    import vllm_gdn_hs
+    import vllm_gdn_hs.plugin
 
-    vllm_gdn_hs.register()  # what vLLM's plugin loader does in every process
+    vllm_gdn_hs.plugin.register()  # what vLLM's plugin loader does in every process
     assert hidden_states_connector_class(_config(CONNECTOR_NAME)) is HybridHiddenStatesConnector
     inside = [{"kv_connector": "ExampleConnector"}, {"kv_connector": CONNECTOR_NAME}]
     multi = _config("MultiConnector", connectors=inside)
@@ -82,10 +82,10 @@ def test_the_runner_refuses_a_connector_that_takes_no_rows_when_it_is_made(monke
     registered under our name that does not take the rows fails at startup, naming the fix."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    import vllm_gdn_hs
+    import vllm_gdn_hs.plugin
     from vllm_gdn_hs.patch import extraction as patch_mod
 
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
     cfg = _config(CONNECTOR_NAME, layer_ids=[1, 2])
     runner = type("Runner", (), {})()
     patch_mod.set_up_extraction(runner, cfg)

@@ -247,7 +247,7 @@ def test_an_earlier_unread_file_is_never_overwritten(hybrid_model, root, monkeyp
     for _ in range(3):
         eng.step()
     first = eng.outputs.pop("same")
-    assert eng.worker._worker.drained(30)
+    assert eng.worker._worker.drain.flushed(30)
     eng.add(engine_request("same", [9, 9]))
     for _ in range(3):
         eng.step()

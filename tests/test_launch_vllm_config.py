@@ -11,7 +11,8 @@ import harness  # noqa: F401  (vLLM's CpuPlatform first)
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from vllm_gdn_hs import CONNECTOR_NAME, launch
+from vllm_gdn_hs import launch
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 def _vllm_config(argv):

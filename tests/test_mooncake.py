@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 from test_connector_scheduler import make_request, prompt
 from test_hostile import Engine
 
-from vllm_gdn_hs.connector import mooncake_store
-from vllm_gdn_hs.mooncake_config import MooncakeOptions
+from vllm_gdn_hs.storage import mooncake, mooncake_client
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 MB = 1 << 20
 
@@ -89,7 +89,7 @@ class RowsEngine(Engine):
 
         self.worker.save_hidden_states = random_rows
 
-    def store(self) -> mooncake_store.MooncakeStore:
+    def store(self) -> mooncake_client.MooncakeStore:
         return self.worker._worker.storage.store
 
     def until_finished(self, *rids: str, limit: int = 50) -> None:
@@ -98,7 +98,7 @@ class RowsEngine(Engine):
                 break
             self.step()
         self.step()  # the worker hears of the last finish in the next step
-        assert self.worker._worker.drained(60)
+        assert self.worker._worker.drain.flushed(60)
 
     def expected(self, rid: str, n: int) -> torch.Tensor:
         return torch.stack([self.sent[rid][p] for p in range(n)])
@@ -137,7 +137,7 @@ def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_pa
     for rid in IDS:
         params = mc_eng.params(rid)
         assert set(params) == {"handle", "version", "tensors", "metadata"}
-        assert params["handle"].startswith(mooncake_store._sanitize_key(rid) + "-")
+        assert params["handle"].startswith(mooncake._sanitize_key(rid) + "-")
         handles.add(params["handle"])
         got = transfer.get_generated(params)
         want = load_file(file_eng.params(rid)["hidden_states_path"])
@@ -362,7 +362,7 @@ def run_full_store(eng: RowsEngine, rids: list[str], slow: SlowReader) -> int:
         if handed == set(rids):
             break
     eng.step()
-    assert worker.drained(120)
+    assert worker.drain.flushed(120)
     done.set()
     watcher.join()
     return most[0]
@@ -500,7 +500,7 @@ def test_odd_row_sizes_round_trip(master):
     object's tail; hs-connectors' reader still gets every tensor back bit for bit."""
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
-    store = mooncake_store.MooncakeStore(MooncakeOptions(**options(master.address)))
+    store = mooncake_client.MooncakeStore(MooncakeOptions(**options(master.address)))
     transfer = reader(master.address)
     try:
         for i, (shape, fp8) in enumerate(
@@ -512,7 +512,7 @@ def test_odd_row_sizes_round_trip(master):
             ids = torch.arange(100, 100 + shape[0])
             store.write(f"odd{i}", rows, ids, scales)
             got = transfer.get_generated(
-                mooncake_store.manifest(f"odd{i}", *shape, rows.dtype, fp8=fp8)
+                mooncake_client.manifest(f"odd{i}", *shape, rows.dtype, fp8=fp8)
             )
             want = {"hidden_states": rows, "token_ids": ids}
             if fp8:
@@ -538,7 +538,7 @@ def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
     from mooncake_side import LocalStore
 
     local = LocalStore(str(tmp_path / "master.log"), segment_gib=1 / 16, fp8=fp8)
-    store = mooncake_store.MooncakeStore(MooncakeOptions(**local.options()))
+    store = mooncake_client.MooncakeStore(MooncakeOptions(**local.options()))
     try:
         outs, total = [], 0
         for i, n in enumerate((5, 40, 1)):
@@ -547,7 +547,7 @@ def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
             if fp8:
                 rows, scales = quantize_tensor_to_fp8(rows)
             store.write(key, rows, torch.arange(n), scales)
-            params = mooncake_store.manifest(key, n, 2, 8, torch.bfloat16, fp8=fp8)
+            params = mooncake_client.manifest(key, n, 2, 8, torch.bfloat16, fp8=fp8)
             total += params["metadata"]["total_aligned_bytes"]
             outs.append(types.SimpleNamespace(kv_transfer_params=params))
         ready_s, nbytes, count, read_s = local.take_all(outs, timeout=10, read=True)
@@ -557,10 +557,10 @@ def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
         )
         assert store.client.batch_is_exist([f"r{i}-bench" for i in range(3)]) == [0, 0, 0]
         store.write_error("bad-bench", "boom")  # its reader fails at once, so does the bench
-        bad = mooncake_store.manifest("bad-bench", 3, 2, 8, torch.bfloat16)
+        bad = mooncake_client.manifest("bad-bench", 3, 2, 8, torch.bfloat16)
         with pytest.raises(RuntimeError, match="error object"):
             local.take_all([types.SimpleNamespace(kv_transfer_params=bad)], timeout=10)
-        never = mooncake_store.manifest("never-put", 3, 2, 8, torch.bfloat16)
+        never = mooncake_client.manifest("never-put", 3, 2, 8, torch.bfloat16)
         with pytest.raises(TimeoutError, match="0 of 1 objects"):
             local.take_all([types.SimpleNamespace(kv_transfer_params=never)], timeout=0.5)
     finally:

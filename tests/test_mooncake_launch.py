@@ -77,7 +77,7 @@ def test_defaults_are_speculators():
 def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
     """The launcher's ``mooncake-fp8``: speculators' mooncake options plus ``fp8``, which the
     trainer side's backend (registered by vllm_gdn_hs.train) builds the same way."""
-    from vllm_gdn_hs.train import MooncakeFP8Backend
+    from vllm_gdn_hs.train import MooncakeFP8Train
 
     monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.9.9.9")
     cmd = dry_run(capsys, hybrid, "--hidden-states-backend", "mooncake-fp8", *argv)
@@ -87,7 +87,7 @@ def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
     cfg = HiddenStatesConfig(**extra)
     assert cfg.fp8 and cfg.mooncake is not None
     assert harness.serve_parser().parse_args(cmd[4:]).kv_transfer_config is not None
-    trainer_side = MooncakeFP8Backend.build_kv_transfer_config(mooncake_parser().parse_args(argv))
+    trainer_side = MooncakeFP8Train.build_kv_transfer_config(mooncake_parser().parse_args(argv))
     assert trainer_side == {k: kv[k] for k in trainer_side}
 
 
@@ -122,8 +122,10 @@ def test_storage_is_not_needed(hybrid_model):
     from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
 
     cfg = HiddenStatesConfig(shared_storage_path="/proc/no", mooncake={})
+    from vllm_gdn_hs.storage.mooncake import MooncakeStorage
+
     sched = HybridHiddenStatesConnectorScheduler(cfg, [1, 2], 2048, hidden=8, dtype=None)
-    assert sched.keys is not None
+    assert isinstance(sched.storage, MooncakeStorage)
 
 
 _ = argparse

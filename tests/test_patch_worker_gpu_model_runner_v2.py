@@ -157,9 +157,11 @@ def test_profile_run_peak_covers_a_real_steps_hand_over(hybrid_model, tmp_path, 
         runner.hidden_states_sink = None
     stacked = 16 if sink else runner.max_num_tokens
     hidden = cfg.model_config.get_hidden_size()
-    with mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None):
-        with LiveBytes() as profiled:
-            GPUModelRunner.profile_run(runner)
+    with (
+        mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None),
+        LiveBytes() as profiled,
+    ):
+        GPUModelRunner.profile_run(runner)
     conn = _connector(cfg)
     saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
     batch = harness.v2_input_batch([("a", 0, stacked)], torch.arange(stacked))

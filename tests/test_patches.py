@@ -56,10 +56,10 @@ ALL_PATCHES = [(r, name) for r in FOLDERS for name in _series(r)]
 
 
 def test_one_series_per_supported_release():
-    from vllm_gdn_hs.version import supported_releases, supported_vllm
+    from vllm_gdn_hs.version import RELEASES, supported_vllm
 
     covered = [release for folder in FOLDERS for release in _covers(folder)]
-    assert sorted(covered, key=Version) == supported_releases()  # each once, none else
+    assert sorted(covered, key=Version) == list(RELEASES)  # each once, none else
     for folder in FOLDERS:
         assert folder == _covers(folder)[0], "a folder is named after its first release"
     assert all(release in supported_vllm() for release in covered)  # the pyproject pin

@@ -31,10 +31,10 @@ from importlib import metadata
 import pytest
 from tiny_models import build_tiny_hybrid
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
 from vllm_gdn_hs.launch import make_parser, parse_args
 from vllm_gdn_hs.model_info import packaged_config_path
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import engine_wait_from_env
 from vllm_gdn_hs.version import RELEASES
 

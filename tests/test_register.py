@@ -20,7 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-import vllm_gdn_hs
+import vllm_gdn_hs.names
+import vllm_gdn_hs.plugin
 from vllm_gdn_hs import patch
 from vllm_gdn_hs.version import (
     ALLOW_UNTESTED,
@@ -34,7 +35,6 @@ from vllm_gdn_hs.version import (
     installed_vllm,
     is_untested,
     runs_model_runner_v2,
-    supported_releases,
     supported_vllm,
 )
 
@@ -49,14 +49,14 @@ _LOADER = """
 import json, sys
 import vllm.plugins
 vllm.plugins.load_general_plugins()
-import vllm_gdn_hs, vllm_gdn_hs.patch as p
+import vllm_gdn_hs.plugin, vllm_gdn_hs.patch as p
 lazy = "vllm_gdn_hs.connector" not in sys.modules
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 cls = KVConnectorFactory.get_connector_class(
     KVTransferConfig(kv_connector="HybridHiddenStatesConnector", kv_role="kv_producer"))
 print("RESULT " + json.dumps(dict(
-    registered=vllm_gdn_hs._registered, applied=p._applied, lazy=lazy,
+    registered=vllm_gdn_hs.plugin._registered, applied=p._applied, lazy=lazy,
     cls=cls.__module__ + "." + cls.__qualname__)))
 """
 
@@ -84,7 +84,7 @@ def test_factory_resolves_our_class_in_process():
     from vllm_gdn_hs.connector import HybridHiddenStatesConnector
 
     cls = KVConnectorFactory.get_connector_class(
-        KVTransferConfig(kv_connector=vllm_gdn_hs.CONNECTOR_NAME, kv_role="kv_producer")
+        KVTransferConfig(kv_connector=vllm_gdn_hs.names.CONNECTOR_NAME, kv_role="kv_producer")
     )
     assert cls is HybridHiddenStatesConnector
     assert supports_hma(cls)
@@ -94,14 +94,14 @@ def test_register_is_idempotent():
     # conftest loaded the plugin through vLLM; calling register() again changes nothing.
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    loader = KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME]
+    loader = KVConnectorFactory._registry[vllm_gdn_hs.names.CONNECTOR_NAME]
     applied = list(patch._applied)
     assert applied == list(patch.patches_for())
-    vllm_gdn_hs.register()
-    vllm_gdn_hs.register()
+    vllm_gdn_hs.plugin.register()
+    vllm_gdn_hs.plugin.register()
     assert patch._applied == applied
     assert patch.apply_patches() == applied
-    assert KVConnectorFactory._registry[vllm_gdn_hs.CONNECTOR_NAME] is loader
+    assert KVConnectorFactory._registry[vllm_gdn_hs.names.CONNECTOR_NAME] is loader
 
 
 @pytest.mark.parametrize("name", patch.patches_for())
@@ -153,7 +153,7 @@ def test_supported_vllm_is_the_pyproject_pin():
     assert supported_vllm() == pin.specifier
     # The requirement admits exactly the supported releases; every published release between
     # the first and the last is supported or refused with its reason, never forgotten.
-    assert [v for v in PUBLISHED if v in pin.specifier] == supported_releases()
+    assert [v for v in PUBLISHED if v in pin.specifier] == list(RELEASES)
     first, last = PUBLISHED.index(RELEASES[0]), PUBLISHED.index(RELEASES[-1])
     assert sorted([*RELEASES, *REFUSED], key=Version) == PUBLISHED[first : last + 1]
     assert all(reason.strip() for reason in REFUSED.values())
@@ -161,7 +161,7 @@ def test_supported_vllm_is_the_pyproject_pin():
 
 def test_installed_vllm_is_supported():
     installed = installed_vllm()
-    assert check_vllm() == installed and installed.base_version in supported_releases()
+    assert check_vllm() == installed and installed.base_version in list(RELEASES)
     v1 = (patch.V1_RUNNER_PATCH,) if has_v1_runner() else ()
     v2 = (patch.MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2() else ()
     assert patch.patches_for() == patch.PATCHES + v1 + v2
@@ -221,7 +221,7 @@ from packaging.version import Version
 v.installed_vllm = lambda: Version(RELEASE)
 import vllm.plugins
 vllm.plugins.load_general_plugins()  # must not raise
-import vllm_gdn_hs, vllm_gdn_hs.patch as p
+import vllm_gdn_hs.plugin, vllm_gdn_hs.patch as p
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.engine.arg_utils import EngineArgs
@@ -280,7 +280,7 @@ def test_untested_release_runs_only_when_allowed(monkeypatch):
     monkeypatch.setenv(ALLOW_UNTESTED, "1")
     assert check_vllm(newer) == newer and check_vllm(Version("1.0.0+cu130"))
     assert is_untested(newer) and not is_untested(RELEASES[-1])
-    with pytest.raises(UnsupportedVllmError, match="found vllm 0.19.0"):
+    with pytest.raises(UnsupportedVllmError, match=r"found vllm 0\.19\.0"):
         check_vllm(Version("0.19.0"))  # older than the first: never
     # An untested release takes the newest release's patches.
     assert patch.patches_for(str(newer)) == patch.patches_for(RELEASES[-1]) != ()
@@ -405,7 +405,7 @@ def _series_folder(release: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "release, name", [(r, n) for r in supported_releases() for n in patch.patches_for(r)]
+    "release, name", [(r, n) for r in list(RELEASES) for n in patch.patches_for(r)]
 )
 def test_every_runtime_patch_has_a_source_twin(release, name):
     # patch_worker_gpu_model_runner -> the one file naming worker, gpu, model and runner

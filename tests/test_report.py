@@ -98,7 +98,7 @@ def test_splice_replaces_the_block(tmp_path):
     assert path.read_text() == f"a\n{report.README_BEGIN}\nnewer\n{report.README_END}\nb\n"
     bare = tmp_path / "bare.md"
     bare.write_text("no block")
-    with pytest.raises(SystemExit, match="no .* block"):
+    with pytest.raises(SystemExit, match=r"no .* block"):
         report.splice_readme(str(bare), "x")
 
 

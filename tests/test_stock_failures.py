@@ -31,7 +31,7 @@ CONFIGS = {"default flags": {}, "HMA forced on": {"disable_hybrid_kv_cache_manag
 _STOCK = """
 import json, sys
 import harness
-import vllm_gdn_hs
+import vllm_gdn_hs.plugin
 from vllm.config import VllmConfig
 results = {}
 for name, kw in json.loads(sys.argv[1]).items():
@@ -42,7 +42,7 @@ for name, kw in json.loads(sys.argv[1]).items():
         results[name]["error"] = None
     except Exception as e:
         results[name]["error"] = [type(e).__module__, type(e).__qualname__, str(e)]
-results["plugin loaded"] = vllm_gdn_hs._registered
+results["plugin loaded"] = vllm_gdn_hs.plugin._registered
 results["patched"] = hasattr(VllmConfig, "_vllm_gdn_hs_patched")
 print("RESULT " + json.dumps(results))
 """

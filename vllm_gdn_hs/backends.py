@@ -6,15 +6,21 @@ each with its own launcher options, the check of its storage before vLLM starts,
 - ``fp8``: the same files in speculators' fp8 format;
 - ``mooncake``: one object per request in a Mooncake store (``docs/mooncake.md``);
 - ``mooncake-fp8``: those objects in the fp8 layout, read by :mod:`vllm_gdn_hs.train`.
+
+A backend has up to three halves, named ``<backend><side>``: the launcher's ``*Launch`` (here),
+the connector's ``*Storage`` (:mod:`vllm_gdn_hs.storage`: ``file`` and ``fp8`` are
+``FileStorage``, the mooncake ones ``MooncakeStorage``) and the trainer's ``*Train`` (a
+backend of hs-connectors' registry, :mod:`vllm_gdn_hs.train`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any, ClassVar
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import extraction_config
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import LaunchError
 
 # Connector options the launcher sets from its own flags.
@@ -26,10 +32,10 @@ LAUNCHER_OPTIONS = {
 }
 
 
-class FileBackend:
+class FileLaunch:
     """One safetensors file per request under ``--hidden-states-path``."""
 
-    options: dict = {}  # connector options this backend sets
+    options: ClassVar[dict[str, Any]] = {}  # connector options this backend sets
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -95,15 +101,15 @@ class FileBackend:
         return {**user, **kv}
 
 
-class Fp8Backend(FileBackend):
+class FP8Launch(FileLaunch):
     """speculators' ``fp8`` backend: the same files with ``hidden_states`` in float8_e4m3fn and
     one fp32 scale per token (``hidden_states_scales``), read by hs-connectors'
     ``FP8Transfer``; quantized on the GPU, so the copy out and host memory halve too."""
 
-    options = {"fp8": True}
+    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
-class MooncakeBackend(FileBackend):
+class MooncakeLaunch(FileLaunch):
     """speculators' ``mooncake`` backend: one object per request in a Mooncake store, read by
     hs-connectors' ``MooncakeTransfer``; no shared file system. The same ``--mooncake-*``
     options, defaults and ``kv_connector_extra_config.mooncake`` as speculators' launcher
@@ -120,7 +126,7 @@ class MooncakeBackend(FileBackend):
         """No folder; the master must answer before vLLM starts (not with --dry-run, which
         needs no network)."""
         if not args.dry_run:
-            from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+            from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
             check_master(MooncakeOptions(**cls.storage_options(args)["mooncake"]))
 
@@ -147,18 +153,18 @@ class MooncakeBackend(FileBackend):
         }
 
 
-class MooncakeFp8Backend(MooncakeBackend):
+class MooncakeFP8Launch(MooncakeLaunch):
     """``mooncake`` with each object in the fp8 files' layout: half the bytes over the network
     and in the store. Not one of speculators' backends: the trainers run
     ``python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8`` (:mod:`.train`)."""
 
-    options = {"fp8": True}
+    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 # Hidden-state backends by --hidden-states-backend name; each adds its own options.
-BACKENDS: dict[str, type[FileBackend]] = {
-    "file": FileBackend,
-    "fp8": Fp8Backend,
-    "mooncake": MooncakeBackend,
-    "mooncake-fp8": MooncakeFp8Backend,
+BACKENDS: dict[str, type[FileLaunch]] = {
+    "file": FileLaunch,
+    "fp8": FP8Launch,
+    "mooncake": MooncakeLaunch,
+    "mooncake-fp8": MooncakeFP8Launch,
 }

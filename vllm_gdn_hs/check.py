@@ -15,6 +15,7 @@ import stat
 import sys
 import time
 from collections import Counter, defaultdict
+from typing import Any
 
 from vllm_gdn_hs.files import LOCK_SUFFIX, SUFFIX, is_temp, layout, lock_held, read_header
 
@@ -81,7 +82,8 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
         if rows:
             from safetensors.torch import load_file
 
-            from vllm_gdn_hs.files import check_rows, hidden_states_of
+            from vllm_gdn_hs.files import hidden_states_of
+            from vllm_gdn_hs.rows import check_rows
 
             if why := check_rows(hidden_states_of(load_file(path))):
                 raise ValueError(why)
@@ -101,7 +103,7 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
 def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
     """Sort every request under ``root``, one folder at a time (listed, then checked at once,
     so a live run has little time to move on); returns counts, totals and problem paths."""
-    out = {
+    out: dict[str, Any] = {
         "complete": 0,
         "unread": 0,
         "being_written": 0,

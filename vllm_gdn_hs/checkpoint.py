@@ -83,7 +83,7 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
     model = text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
     new, old = _MM_PREFIX
     # A weight is missing if none of its names was loaded (tied embeddings: one name saved).
-    names = {}
+    names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         names.setdefault(id(tensor), set()).add(name)
     loaded = set()

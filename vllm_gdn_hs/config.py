@@ -13,8 +13,9 @@ from pydantic import (
     model_validator,
 )
 
-from vllm_gdn_hs import CONNECTOR_NAME
-from vllm_gdn_hs.mooncake_config import MooncakeOptions
+from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.storage.base import StorageOptions
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 
 class HiddenStatesConfig(BaseModel):
@@ -59,26 +60,15 @@ class HiddenStatesConfig(BaseModel):
     # default: shared_storage_path. Anything resolving outside it is refused.
     custom_save_root: str | None = None
     # The mooncake backend (speculators' shape): each request's rows go to one object in a
-    # Mooncake store instead of a file (vllm_gdn_hs.connector.mooncake_store).
+    # Mooncake store instead of a file (vllm_gdn_hs.storage.mooncake).
     mooncake: MooncakeOptions | None = None
 
     @model_validator(mode="after")
-    def _mooncake(self) -> HiddenStatesConfig:
-        if self.mooncake is None:
-            return self
-        if self.allow_custom_save_path:
-            raise ValueError(
-                "allow_custom_save_path does not apply to the mooncake backend (it writes no "
-                "files): drop it"
-            )
-        threads = self.mooncake.num_writer_threads
-        if "write_workers" not in self.model_fields_set:
-            self.write_workers = threads
-        elif self.write_workers != threads:
-            raise ValueError(
-                f"write_workers={self.write_workers} and mooncake.num_writer_threads={threads} "
-                "name the same thing: set one (--mooncake-writer-threads)"
-            )
+    def _storage_options(self) -> HiddenStatesConfig:
+        """Each storage backend's options check the options they share with the rest."""
+        for name in type(self).model_fields:
+            if isinstance(options := getattr(self, name), StorageOptions):
+                options.check_config(self)
         return self
 
 

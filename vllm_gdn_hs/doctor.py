@@ -38,7 +38,7 @@ MOONCAKE_WHEELS = (
 def mooncake_checks(master: str) -> list[tuple[str, str, str | None]]:
     """The mooncake backends' needs on this host: a Mooncake wheel that loads, and the master
     at ``master`` (host:port) answering. For the servers and the trainers alike."""
-    from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+    from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
     wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := _version(d))]
     problem = None
@@ -173,7 +173,7 @@ def vllm_checks() -> list[tuple[str, str, str | None]]:
         load_general_plugins()
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-        from vllm_gdn_hs import CONNECTOR_NAME
+        from vllm_gdn_hs.names import CONNECTOR_NAME
 
         if CONNECTOR_NAME not in KVConnectorFactory._registry:
             raise RuntimeError(

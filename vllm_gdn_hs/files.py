@@ -1,13 +1,11 @@
-"""The hidden-states file contract, in one place: names, paths, locks, writes, headers, rows.
+"""The hidden-states file contract, in one place: names, paths, locks, writes, headers.
 
-The connector, ``vllm-gdn-hs check``, doctor, the benchmarks and the tests all call this
-module; torch is imported only by the functions that handle tensors. The file, as speculators
-and vLLM's ``ExampleHiddenStatesConnector`` define it: ``{folder}/{name}.safetensors`` with
-``hidden_states`` [T, L, H] (model dtype) and ``token_ids`` [T] int64; ``<file>.lock`` is
-``flock``-ed by the writer before the response leaves and released once the file is complete,
-and the reader takes it, deletes it and reads the file. Request ids come from the network:
-:func:`file_name` encodes them into a name that cannot leave the folder, and :func:`inside`
-checks every final path anyway.
+No torch at import. The file, as speculators and vLLM's ``ExampleHiddenStatesConnector``
+define it: ``{folder}/{name}.safetensors`` with ``hidden_states`` [T, L, H] (model dtype) and
+``token_ids`` [T] int64; ``<file>.lock`` is ``flock``-ed by the writer before the response
+leaves and released once the file is complete; the reader takes it, deletes it, reads the
+file. Request ids come from the network: :func:`file_name` encodes them into a name that
+cannot leave the folder, and :func:`inside` checks every final path anyway.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ _SAFETENSORS_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
 
 # -- names and paths ---------------------------------------------------------------------
-
-
 def file_name(request_id: str) -> str:
     """The file name (without folder) for a request id; injective and safe as a name.
 
@@ -117,8 +113,6 @@ def _umask() -> int:
 
 
 # -- the lock ----------------------------------------------------------------------------
-
-
 def take_lock(path: str) -> int:
     """Create and ``flock`` ``<path>.lock`` (exclusive); returns its descriptor. Never waits:
     a lock someone else holds raises BlockingIOError. A missing folder is made again (a
@@ -225,8 +219,6 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 
 
 # -- the write ---------------------------------------------------------------------------
-
-
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
     """Write atomically: a temp file in the same folder, then rename; mode as the umask gives
     (safetensors' own temp file is 0600). A missing folder is made again. With ``scales``
@@ -335,35 +327,6 @@ def hidden_states_of(data: dict):
     from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
     return dequantize_fp8_tensor(data["hidden_states"], data[SCALES])
-
-
-# -- the rows ----------------------------------------------------------------------------
-
-
-def row_norms(hidden_states):
-    """[T, L, H] -> [T, L] float32 norms: NaN/Inf if a value is, 0 for an all-zero row;
-    computed next to the copy out of the GPU, so the host checks T x L numbers, not T x L x H."""
-    import torch
-
-    return torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
-
-
-def check_norms(norms) -> str | None:
-    """Why rows with these norms must not be shipped, or None."""
-    import torch
-
-    bad = ~torch.isfinite(norms).all(1)
-    if bad.any():
-        return f"non-finite values at token positions {bad.nonzero().flatten()[:5].tolist()}"
-    zero = (norms == 0).any(1)
-    if zero.any():
-        return f"all-zero rows at token positions {zero.nonzero().flatten()[:5].tolist()}"
-    return None
-
-
-def check_rows(hidden_states) -> str | None:
-    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
-    return check_norms(row_norms(hidden_states))
 
 
 def check_storage_path(path: str, make: bool = True) -> str | None:

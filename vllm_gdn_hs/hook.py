@@ -1,24 +1,30 @@
 """The hook between the patched model runner and the connector that takes its rows.
 
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) checks at startup, when the
-runner is made, that the configured connector class implements :class:`TakesHiddenStates`
-(:func:`hidden_states_connector_class`), sizes the hand-over through it in ``profile_run``
-(before any connector exists), and calls :meth:`TakesHiddenStates.save_hidden_states` after
-every forward pass on ranks where :meth:`TakesHiddenStates.wants_hidden_states` says so;
-:class:`vllm_gdn_hs.connector.HybridHiddenStatesConnector` implements it. Kept apart from the
-connector so that the patch can import it in every vLLM process without loading the connector.
+The runner patches check at startup that the configured connector class implements
+:class:`TakesHiddenStates` (:func:`hidden_states_connector_class`), size the hand-over in
+``profile_run`` and call ``save_hidden_states`` after every forward pass on ranks that want
+rows. Apart from the connector, so that the patches import it without loading the connector.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 _FIX = "use kv_connector HybridHiddenStatesConnector, alone or inside MultiConnector"
 
 
 @runtime_checkable
 class TakesHiddenStates(Protocol):
-    def save_hidden_states(self, hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
+    def save_hidden_states(
+        self,
+        hidden_states: torch.Tensor,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         """One step's rows [tokens, L, H] of the scheduled tokens, in batch order, with the
         request ids, query start locations (CPU) and each row's token position. The tensors
         are the runner's to drop after the call: a copy made later on another stream must
@@ -29,9 +35,21 @@ class TakesHiddenStates(Protocol):
         write take none: the runner then stacks nothing)."""
 
     @staticmethod
-    def profile_save_hidden_states(vllm_config, hidden_states) -> None:
+    def profile_save_hidden_states(vllm_config: Any, hidden_states: torch.Tensor) -> None:
         """The GPU work of ``save_hidden_states`` on dummy rows of the largest step, in the
         runner's ``profile_run``, so that the KV cache is sized with its temporaries."""
+
+
+@runtime_checkable
+class TakesLayerRows(TakesHiddenStates, Protocol):
+    """A connector that also takes a step's rows layer by layer, during its forward pass."""
+
+    def take_rows(self, num_tokens: int) -> Any:
+        """A pinned host slot for a step's rows that the runner fills a layer at a time, or
+        None where the connector wants them stacked (a rank that does not write, fp8)."""
+
+    def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+        """After the forward pass that filled ``slot``: its norms and positions."""
 
 
 def hidden_states_connector(connector: object) -> TakesHiddenStates:

@@ -44,7 +44,7 @@ def storage_checks(path: str, hidden_size: int | None) -> list[tuple[str, str, s
         speed = write_speed(path, min(PROBE_BYTES, max(free // 4, 1 << 26)))
     except (ValueError, OSError) as e:
         return [("hidden-states path", path, str(e))]
-    rows = [
+    rows: list[tuple[str, str, str | None]] = [
         ("hidden-states path", path, None),
         ("  free space", f"{free / 1e9:,.1f} GB", None),
         ("  write speed (one stream, fsync)", f"{speed / 1e9:.2f} GB/s", None),

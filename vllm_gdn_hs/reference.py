@@ -1,27 +1,21 @@
 """Hidden states from HF transformers on the same weights, and how close ours are.
 
-Layer id k is the residual stream after k decoder layers (0 = embeddings), so
-id k is the output of decoder layer k - 1, taken with a forward hook: for id
-N that is before the final norm, unlike ``output_hidden_states[-1]``.
+Layer id k is the residual stream after k decoder layers (0 = embeddings): the output of
+decoder layer k - 1, taken with a forward hook (for id N, before the final norm).
 
-The bar: HF run in fp32 on the same bf16 weights is the truth, and each layer's error
-is ``||x - hf32|| / ||hf32||``, of ours and of HF's own bf16 run. bf16 error grows with
-depth, so a fixed bar would be too loose for shallow layers and too tight for deep ones;
-instead ours is held to HF bf16's error, twice:
+The bar: HF in fp32 on the same bf16 weights is the truth; each layer's error is
+``||x - hf32|| / ||hf32||``, of ours and of HF's own bf16 run. bf16's error grows with depth,
+so ours is held to HF bf16's error rather than to a fixed bar, twice:
 
-- per run (every file one :class:`HFReference` checked since its last ``reset()``), per
-  layer, the errors pooled over the run's files, ``sqrt(sum ||x - hf32||^2 / sum
-  ||hf32||^2)``: ours <= ``BAR_FACTOR`` x HF bf16's (:meth:`HFReference.pooled`);
+- per run and layer, the errors pooled over the run's files, ``sqrt(sum ||x - hf32||^2 /
+  sum ||hf32||^2)``: ours <= ``BAR_FACTOR`` x HF bf16's (:meth:`HFReference.pooled`);
 - per file, per layer: ours <= ``GROSS_FACTOR`` x HF bf16's (:func:`within_bar`), and the
   structural checks (:func:`file_problems`).
 
-One file's ratio is a noisy sample: on a 1-token prompt HF bf16 on the CPU against HF
-bf16 on a GPU (equally accurate) reached 1.10, and on the CPU a second bf16 computation
-(autocast) moved by +-15% from one 1-token prompt to the next, but by ~1% once pooled
-over files of 17 tokens or more. Pooling weighs files by their tokens, so the tight bar
-is on the pooled errors; the per-file bound is gross: it catches shifted rows, a wrong
-layer, garbage (errors ~1, ~100-300x bf16's on the test models) and never flakes on
-bf16 noise.
+One file's ratio is a noisy sample (on short prompts bf16's error moves by +-15% from one
+prompt to the next), so the tight bar is on the pooled errors, which weigh files by their
+tokens; the per-file bound is gross: it catches shifted rows, a wrong layer, garbage, and
+never flakes on bf16 noise.
 """
 
 from __future__ import annotations
@@ -30,7 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
-from vllm_gdn_hs.files import SCALES, check_rows, hidden_states_of
+from vllm_gdn_hs.files import SCALES, hidden_states_of
+from vllm_gdn_hs.rows import check_rows
 
 # Per run and layer, pooled over the run's files: ours <= BAR_FACTOR x HF bf16's error.
 BAR_FACTOR = 1.1
@@ -65,8 +60,8 @@ def load_hf_model(model_dir: str, device: str = "cuda", dtype: torch.dtype = tor
 
 @contextmanager
 def _no_tf32():
-    """fp32 means fp32: no TF32 in matmuls or cuDNN convolutions (the GDN conv). On the
-    H200, TF32 moved the fp32 reference by 5-15% of bf16's error."""
+    """fp32 means fp32: no TF32 in matmuls or cuDNN convolutions (the GDN conv): TF32 moves
+    the fp32 reference by a noticeable part of bf16's error."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -191,15 +186,11 @@ class PooledErrors:
     def result(self) -> dict:
         """Per layer the pooled errors of ``ours`` and ``hf_bf16``, ``ratio`` (ours over
         HF bf16's, floored at MIN_HF_ERROR), ``files`` and ``problems``: one line for each
-        layer whose ratio is over BAR_FACTOR, or one saying that no file was pooled."""
+        layer whose ratio is over BAR_FACTOR (none: the run passes), or one saying that no
+        file was pooled."""
         if not self.files:
-            return {
-                "ours": [],
-                "hf_bf16": [],
-                "ratio": [],
-                "files": 0,
-                "problems": ["no file pooled: nothing to judge"],
-            }
+            problems = ["no file pooled: nothing to judge"]
+            return dict(ours=[], hf_bf16=[], ratio=[], files=0, problems=problems)
         ref = self._ref.clamp(min=torch.finfo(torch.float64).tiny)
         ours = (self._ours / ref).sqrt().tolist()
         hf = (self._hf / ref).sqrt().tolist()
@@ -210,13 +201,7 @@ class PooledErrors:
             for i, g, h, r in zip(self.layer_ids, ours, hf, ratio, strict=True)
             if not r <= BAR_FACTOR  # NaN fails too
         ]
-        return {
-            "ours": ours,
-            "hf_bf16": hf,
-            "ratio": ratio,
-            "files": self.files,
-            "problems": problems,
-        }
+        return dict(ours=ours, hf_bf16=hf, ratio=ratio, files=self.files, problems=problems)
 
 
 def describe_pooled(pooled: dict) -> str:
@@ -234,10 +219,9 @@ def describe_pooled(pooled: dict) -> str:
 
 
 def worst_by_layer(checks: list[dict]) -> dict:
-    """The errors against HF fp32 in several :meth:`HFReference.check` results, worst
-    per layer and overall, of ours and of HF bf16, and the worst ratio of ours to HF
-    bf16's error in one file and layer (the per-file bound: <= GROSS_FACTOR; the bar,
-    BAR_FACTOR, is on the pooled errors). Empty if none has any."""
+    """Several :meth:`HFReference.check` results' errors against HF fp32 (ours, HF bf16),
+    worst per layer and overall, and the worst ratio of ours to HF bf16's in one file and
+    layer (the per-file bound, GROSS_FACTOR). Empty if none has any."""
     done = [c for c in checks if c["ours"]]
     if not done:
         return {}
@@ -267,12 +251,9 @@ def describe(worst: dict) -> str:
 
 class HFReference:
     """HF transformers' hidden states of one model folder in fp32 and in bf16, on the same
-    bf16 weights: both models are loaded on first use, the references cached per prompt.
-
-    ``HFReference(model_dir, layer_ids).check(data, token_ids)`` judges one extracted file
-    (structure, and the per-file bound) and pools its errors into the run's;
-    :meth:`pooled` judges the run so far (the bar), :meth:`reset` starts a new run.
-    """
+    bf16 weights (models loaded on first use, references cached per prompt). :meth:`check`
+    judges one extracted file and pools its errors into the run's; :meth:`pooled` judges the
+    run so far (the bar), :meth:`reset` starts a new run."""
 
     def __init__(
         self,
@@ -310,9 +291,8 @@ class HFReference:
             del self._cache[next(iter(self._cache))]
 
     def precompute(self, prompts: list[list[int]]) -> None:
-        """Cache the references of ``prompts`` one dtype at a time, each model dropped after
-        its pass: memory for one model (fp32: 4 bytes per parameter), not both. Prompts of
-        one length go through HF together, up to ``batch_tokens`` tokens a pass."""
+        """Cache the references of ``prompts`` one dtype at a time, each model dropped after its
+        pass (memory for one model, not both); ``batch_tokens`` as :func:`hf_hidden_states`."""
         keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
         if len(keys) > self.max_cached:
             raise ValueError(f"{len(keys)} prompts, more than max_cached={self.max_cached}")
@@ -320,7 +300,7 @@ class HFReference:
         if not keys:
             return
         self._make_room(len(keys))
-        refs = {}
+        refs: dict[tuple[int, ...], list] = {}
         for dtype in (torch.float32, torch.bfloat16):
             model = self.model(dtype)
             states = hf_hidden_states(
@@ -335,11 +315,10 @@ class HFReference:
             self._cache[key] = tuple(pair)
 
     def check(self, data: dict, seq: list[int]) -> dict:
-        """One extracted file (``token_ids``, ``hidden_states``) against the tokens it is of:
-        ``problems`` (:func:`file_problems`, then each layer over the per-file bound,
-        GROSS_FACTOR x HF bf16's error; none: good) and per layer the errors against HF
-        fp32 of ``ours`` and of ``hf_bf16`` (empty lists if the shape is wrong). A file of
-        the right shape is pooled into the run (:meth:`pooled`), problems or not."""
+        """One extracted file against the tokens it is of: ``problems`` (:func:`file_problems`,
+        then each layer over the per-file bound; none: good) and per layer the errors against
+        HF fp32 of ``ours`` and ``hf_bf16`` (empty if the shape is wrong). A file of the right
+        shape is pooled into the run (:meth:`pooled`), problems or not."""
         ref32, ref16 = self(seq)
         hs = hidden_states_of(data)
         if SCALES in data:  # an fp8 file: the yardstick is HF bf16 put through the same fp8
@@ -347,7 +326,7 @@ class HFReference:
 
             ref16 = dequantize_fp8_tensor(*quantize_tensor_to_fp8(ref16))
         problems = file_problems(data, seq, len(self.layer_ids), ref32.shape[-1])
-        ours, hf = [], []
+        ours, hf = list[float](), list[float]()
         if hs.shape == ref32.shape:
             ours, hf, failing = within_bar(hs, ref32, ref16, self.layer_ids)
             problems += failing
@@ -355,10 +334,8 @@ class HFReference:
         return {"problems": problems, "ours": ours, "hf_bf16": hf}
 
     def pooled(self) -> dict:
-        """The run so far against the bar: per layer the errors against HF fp32 of ``ours``
-        and ``hf_bf16`` pooled over every file :meth:`check` pooled since the last
-        :meth:`reset`, their ``ratio``, ``files`` and ``problems`` (one line per layer over
-        BAR_FACTOR; none: the run passes; a run of no file does not)."""
+        """The run since the last :meth:`reset` against the bar: :meth:`PooledErrors.result`
+        (a run of no file does not pass)."""
         return self._pooled.result()
 
     def reset(self) -> None:

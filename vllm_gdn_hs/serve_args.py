@@ -10,8 +10,8 @@ import math
 import os
 import sys
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.model_info import ModelInfo
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 class LaunchError(ValueError):

@@ -33,7 +33,7 @@ def _read(path: str, max_tokens: int) -> dict:
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
-        return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}
+        return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
 
 
 def model_folder(model: str) -> str | None:

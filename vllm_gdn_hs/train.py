@@ -1,15 +1,11 @@
 """``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
 
-``vllm-gdn-hs launch --hidden-states-backend mooncake-fp8`` puts each request's rows into the
-Mooncake store as the fp8 files hold them: float8_e4m3fn with one fp32 scale per token, half
-the bytes over the network and in the store's memory. hs-connectors' ``MooncakeTransfer``
-(speculators' ``mooncake`` backend) returns such an object as stored, and speculators cannot
-train on float8; :class:`MooncakeFP8Transfer` adds the dequantization of hs-connectors' own
-``FP8Transfer``, so the trainer sees the bf16 layout, as with fp8 files.
-
-speculators takes its backends from hs-connectors' registry when its training config is first
-imported, and that registry has no plugin entry point: this module registers ``mooncake-fp8``
-first, then runs speculators' own ``train`` with every argument unchanged::
+``--hidden-states-backend mooncake-fp8`` stores each request's rows as the fp8 files hold them
+(float8_e4m3fn, one fp32 scale per token: half the bytes). hs-connectors' ``MooncakeTransfer``
+returns such an object as stored, and speculators cannot train on float8;
+:class:`MooncakeFP8Transfer` adds ``FP8Transfer``'s dequantization (to bf16). hs-connectors'
+backend registry has no plugin entry point: this module registers ``mooncake-fp8``, then runs
+speculators' own ``train`` with every argument unchanged::
 
     python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
     torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train
@@ -30,7 +26,7 @@ from hs_connectors.transfer import (
     MooncakeTransfer,
 )
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.names import CONNECTOR_NAME
 
 BACKEND = "mooncake-fp8"
 
@@ -46,7 +42,7 @@ class MooncakeFP8Transfer(MooncakeTransfer):
         return self._dequantize(super().get_generated(hs_transfer_params))
 
 
-class MooncakeFP8Backend(MooncakeBackend):
+class MooncakeFP8Train(MooncakeBackend):
     """speculators' ``mooncake`` backend (the same ``--mooncake-*`` options) with fp8 objects."""
 
     @staticmethod
@@ -67,7 +63,7 @@ def register() -> None:
     """Add ``mooncake-fp8`` to hs-connectors' registry (once). speculators reads the registry's
     options when ``speculators.train.config`` is first imported: call this before that."""
     if BACKEND not in HiddenStatesBackend.registry:
-        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Backend)
+        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Train)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,9 @@
 """Which vLLM is installed, and whether this plugin supports it.
 
-:data:`RELEASES` is the one list of supported vLLM releases, and :data:`REFUSED` names the
+:data:`RELEASES` is the one list of supported vLLM releases; :data:`REFUSED` names the
 published releases between them that the plugin refuses, with the reason. The ``vllm``
-requirement in ``pyproject.toml`` admits exactly RELEASES among published releases, one
-``patches/*/VLLM_VERSIONS`` lists each, ``tests/matrix.sh`` runs the smoke set on each, and
-``.ci/run`` the whole CPU suite on :data:`CI_RELEASES` (``tests/test_register.py`` and
-``tests/test_patches.py`` check that they agree).
+requirement in ``pyproject.toml`` admits exactly RELEASES, one ``patches/*/VLLM_VERSIONS``
+lists each, and ``tests/test_register.py`` and ``tests/test_patches.py`` check that they agree.
 """
 
 from __future__ import annotations
@@ -34,16 +32,11 @@ CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
 # flashinfer-python 0.7.3, which it lacks; the repository's overrides.txt takes 0.7.4.
 NEEDS_OVERRIDES = ("0.34.0",)
 # Which runner extraction runs on (patch/ applies a runner's patch only where it can run):
-# - Model Runner V2 carries extraction from 0.33.0, where it became vLLM's default runner for
-#   every model (hybrid ones included). Its patch is written against 0.33.0's runner and has
-#   never run on an earlier one, so before 0.33.0 the plugin refuses V2 and runs V1.
-# - vLLM's V1 GPU model runner exists up to 0.33.0; 0.34.0 deleted it (v1/worker/
-#   gpu_model_runner.py and its mixins), so its patch is never imported from 0.34.0 on.
-# - On 0.33.0, where both exist, the plugin keeps V1 by default and runs V2 when
-#   VLLM_USE_V2_MODEL_RUNNER=1 asks for it: on 0.33.0 the whole GPU suite and the 27B
-#   benchmark with CUDA graphs passed on V1 (0.990-0.992 of plain vLLM), while on V2 only the
-#   CUDA-graph accuracy test and eager 27B runs did (tests/results/README.md). From
-#   V2_DEFAULT_FROM, V2 is the default (0.34.0: the only runner).
+# - Model Runner V2 from 0.33.0, where it became vLLM's default runner; its patch is written
+#   against 0.33.0's runner, so before 0.33.0 the plugin refuses V2 and runs V1.
+# - vLLM's V1 GPU model runner up to 0.33.0 (0.34.0 deleted it).
+# - On 0.33.0, where both exist, V1 by default (the runner the GPU suite covers there) and V2
+#   when VLLM_USE_V2_MODEL_RUNNER=1 asks for it. From V2_DEFAULT_FROM, V2 is the default.
 MODEL_RUNNER_V2_FROM = "0.33.0"
 # Shutdown (patch/shutdown.py): every release from 0.20.1 to 0.34.0 has vLLM's drain mode
 # (VllmConfig.shutdown_timeout > 0: EngineCoreProc._handle_shutdown keeps stepping, new requests
@@ -132,12 +125,8 @@ def runner_in_use() -> str:
     return "V1 (the only runner the plugin supports on this vLLM)"
 
 
-def supported_releases() -> list[str]:
-    return list(RELEASES)
-
-
 def describe_releases() -> str:
-    """The supported releases in a few words: ``0.20.1 to 0.33.0`` (``, except ...``)."""
+    """The supported releases in a few words: ``<first> to <last>`` (``, except ...``)."""
     span = f"{RELEASES[0]} to {RELEASES[-1]}" if len(RELEASES) > 2 else " or ".join(RELEASES)
     return span + (f", except {', '.join(sorted(REFUSED))}" if REFUSED else "")
 

@@ -110,9 +110,12 @@ def save_results():
 
     from vllm_gdn_hs.version import runner_in_use
 
-    commit = os.environ.get("VLLM_GDN_HS_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("VLLM_GDN_HS_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     RESULTS["environment"] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=commit or "unknown",

@@ -193,9 +193,15 @@ def _save(name: str, record: dict) -> None:
     gpu = subprocess.run(
         ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
     ).stdout.strip()
-    commit = os.environ.get("VLLM_GDN_HS_COMMIT") or subprocess.run(  # the GPU machine's git
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=launched_root()
-    ).stdout.strip()  # can be a stale copy, so the session names the commit
+    commit = (
+        os.environ.get("VLLM_GDN_HS_COMMIT")
+        or subprocess.run(  # the GPU machine's git
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=launched_root(),
+        ).stdout.strip()
+    )  # can be a stale copy, so the session names the commit
     commit = commit or "unknown"
     record = dict(
         date=time.strftime("%Y-%m-%d"), commit=commit, vllm=vllm.__version__,

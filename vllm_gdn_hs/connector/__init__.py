@@ -6,20 +6,11 @@ the paged KV cache, and subclasses ``SupportsHMA`` so GDN hybrid models (Qwen3.5
 the hybrid KV cache manager on. Like vLLM's ``OffloadingConnector`` it is a thin facade that
 hands each call to its side:
 
-- :mod:`.scheduler`: which file each request gets (``vllm_gdn_hs.files``), and the token ids
-  to write once it finishes;
-- :mod:`.worker`: the rows of each step, from the GPU through the pinned host ring
-  (:mod:`.staging`) and the drain thread (:mod:`.drain`) into each request's rows
-  (:mod:`.request_rows`), then through the writer (:mod:`.writer`) to the storage
-  (:mod:`.storage`: the file); its figures in :mod:`.stats`;
-- :mod:`.metadata`: what the scheduler side tells the worker side each step;
-- :mod:`.checks`: the startup checks.
-
-The runner patch (``patch/patch_worker_gpu_model_runner.py``) hands over each step's rows
-through :class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements. The
-``extract_hidden_states`` speculative config that speculators passes only carries the layer
-ids: the config patch turns it into ``kv_connector_extra_config["layer_ids"]`` and runs no
-speculative decoding (``patch/patch_config_vllm.py``).
+:mod:`.scheduler` (where each request's hidden states go, and its token ids once it
+finished), :mod:`.worker` (each step's rows from the GPU to the storage, :mod:`.worker` says
+through what), :mod:`.metadata` (what the scheduler side tells the worker side each step) and
+:mod:`.checks` (the startup checks). The runner patches hand over each step's rows through
+:class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements.
 """
 
 from __future__ import annotations
@@ -59,11 +50,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
-    "FinishedRequest",
-    "HybridHiddenStatesConnector",
-    "HybridHiddenStatesConnectorMetadata",
+    "FinishedRequest", "HybridHiddenStatesConnector", "HybridHiddenStatesConnectorMetadata",
     "NewRequest",
-]
+]  # fmt: skip
 
 
 class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenStates):
@@ -77,7 +66,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.cfg = config_from(vllm_config)
-        self.layer_ids = validate_vllm_config(vllm_config)
+        self.layer_ids = validate_vllm_config(vllm_config, self.cfg)
         self._scheduler: HybridHiddenStatesConnectorScheduler | None = None
         self._worker: HybridHiddenStatesConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -85,7 +74,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
                 self.cfg,
                 self.layer_ids,
                 vllm_config.model_config.max_model_len,
-                hidden=vllm_config.model_config.get_hidden_size(),  # for the mooncake manifest
+                hidden=vllm_config.model_config.get_hidden_size(),  # for a backend's response
                 dtype=vllm_config.model_config.dtype,
             )
         elif _is_writer_rank():  # only tensor-parallel rank 0 writes; the others stage nothing
@@ -104,10 +93,9 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # Worker side
     # ==============================
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        # The step's new and finished requests must reach the worker before the forward
-        # pass hands over its rows. vLLM binds the metadata before the forward in every
-        # release, but from 0.29.0 calls start_load_kv only after it (when no load is
-        # synchronous), so the metadata is taken here.
+        # The step's requests must reach the worker before the forward hands over its rows:
+        # vLLM binds the metadata before the forward, but from 0.29.0 may call start_load_kv
+        # only after it.
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, HybridHiddenStatesConnectorMetadata)
@@ -147,6 +135,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
         """After the forward pass that filled ``slot``: its norms [tokens, L] float32 and
         positions; the drain files it like :meth:`save_hidden_states`' rows."""
+        assert self._worker is not None, "take_rows gave the slot"
         self._worker.save_taken(slot, req_ids, query_start_loc_cpu, norms, positions)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -187,8 +176,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
         """The ``vllm:hidden_states_*`` series of vLLM's ``/metrics`` (:mod:`.stats`)."""
-        if HiddenStatesPromMetrics is None:  # pragma: no cover
-            return None
         return HiddenStatesPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
@@ -196,8 +183,13 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     # ==============================
     # Scheduler side
     # ==============================
+    def _sched(self) -> HybridHiddenStatesConnectorScheduler:
+        if self._scheduler is None:
+            raise RuntimeError(f"{type(self).__name__}: a scheduler-side call on the worker side")
+        return self._scheduler
+
     def on_new_request(self, request: Request) -> None:  # vLLM 0.33.0 calls it
-        self._scheduler.on_new_request(request)
+        self._sched().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -207,15 +199,15 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler.on_allocated(request)
+        self._sched().on_allocated(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._scheduler.build_meta(scheduler_output)
+        return self._sched().build_meta(scheduler_output)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._scheduler.on_finished(request)
+        return False, self._sched().on_finished(request)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import requirement
 
 if TYPE_CHECKING:
@@ -21,8 +21,11 @@ def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
         raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
 
 
-def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
-    """Startup checks; each error names the fix. Returns the layer ids."""
+def validate_vllm_config(
+    vllm_config: VllmConfig, cfg: HiddenStatesConfig | None = None
+) -> list[int]:
+    """Startup checks; each error names the fix. Returns the layer ids. ``cfg``: the
+    connector's options, if already parsed (:func:`config_from`)."""
     spec = vllm_config.speculative_config
     if spec is not None:
         raise ValueError(
@@ -30,7 +33,7 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
             f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
             '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
-    cfg = config_from(vllm_config)
+    cfg = cfg or config_from(vllm_config)
     layer_ids = list(cfg.layer_ids)
     if cfg.fp8:
         try:  # fp8 quantizes with hs-connectors' own code (a dependency of this package)
@@ -67,10 +70,8 @@ def validate_vllm_config(vllm_config: VllmConfig) -> list[int]:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     from vllm_gdn_hs.version import runs_model_runner_v2
 
-    # Before 0.33.0 only the V1 runner is patched: vLLM 0.26.0 decides the runner in
-    # VllmConfig (the config patch keeps it on V1), vLLM 0.20.1 only by the variable. From
-    # 0.33.0 the patched V2 runner is the plugin's path (and from 0.34.0 the only runner,
-    # where vLLM has neither the variable nor the property).
+    # Before 0.33.0 only the V1 runner is patched (vLLM decides the runner in VllmConfig from
+    # 0.26.0, by the variable before); from 0.33.0 the patched V2 runner is the plugin's path.
     if not runs_model_runner_v2() and _v2_model_runner_chosen(vllm_config):
         raise ValueError(
             f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner on this vLLM: unset "

@@ -1,11 +1,10 @@
 """The drain thread: each step's rows from the host ring into each request's rows, and each
 finished request to the writer.
 
-The engine thread queues typed tasks (:class:`StepRows`, :class:`Finish`, :class:`Flush`,
-:class:`Stop`); the drain thread runs them in order. Rows are filed by token position (a
-position written again keeps the later row: chunked prefill and preemption come out right).
-A request's place in the storage (its lock) belongs to its :class:`ActiveRequest`, from its
-first step until it is handed to the writer or abandoned.
+The engine thread queues typed tasks; the drain thread runs them in order. Rows are filed by
+token position (a position written again keeps the later row: chunked prefill and preemption
+come out right). A request's place in the storage belongs to its :class:`ActiveRequest` until
+it is handed to the writer or abandoned.
 """
 
 from __future__ import annotations
@@ -17,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
-from vllm_gdn_hs.connector.request_rows import _PENDING_ROWS, _SHORT_RUN, RequestRows, host_view
+from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook
-from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, failed
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
 
@@ -73,14 +72,12 @@ class Drain:
         hidden: int,
         dtype: torch.dtype,
         norms_width: int,
+        done: threading.Event,
     ):
         self.storage, self.writer, self.book = storage, writer, book
-        self.num_layers, self.hidden, self.dtype, self.norms_width = (
-            num_layers,
-            hidden,
-            dtype,
-            norms_width,
-        )
+        self.done = done  # set when the drain thread ends: the writer's last producer is gone
+        self.num_layers, self.hidden, self.dtype = num_layers, hidden, dtype
+        self.norms_width = norms_width
         self.requests: dict[str, ActiveRequest] = {}
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks
@@ -94,7 +91,7 @@ class Drain:
         if req.req_id in self.requests:
             return  # listed as new again (resumed): its rows so far are kept
         try:
-            stored = self.storage.start(req)
+            stored = self.storage.start(req.req_id, req.path)
         except Exception as e:  # never stop the engine for one request's file
             failed(self.book, req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
             return
@@ -104,7 +101,7 @@ class Drain:
                 self.num_layers,
                 self.hidden,
                 self.dtype,
-                flush_rows=_PENDING_ROWS + self.created % _PENDING_ROWS,
+                flush_rows=PENDING_ROWS + self.created % PENDING_ROWS,
                 norms_width=self.norms_width,
             )
         except Exception as e:
@@ -114,6 +111,11 @@ class Drain:
             return
         self.created += 1
         self.requests[req.req_id] = ActiveRequest(rows, stored)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose rows are being filed."""
+        return len(self.requests)
 
     def put(self, task: Task) -> None:
         self.tasks.put(task)
@@ -132,8 +134,14 @@ class Drain:
         return not self.thread.is_alive()
 
     # -- drain thread -----------------------------------------------------------------
-    @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _loop(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.done.set()
+
+    @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
+    def _run(self) -> None:
         while True:
             try:
                 task = self.tasks.get(timeout=0.5)
@@ -169,7 +177,7 @@ class Drain:
                 if active is None:
                     continue  # aborted, or finished before this step's rows
                 s, e = qsl[i], qsl[i + 1]
-                if e - s > _SHORT_RUN:
+                if e - s > SHORT_RUN:
                     try:
                         active.rows.put(positions[s:e], slot.hidden_states[s:e], slot.norms[s:e])
                     except Exception as err:  # this request alone loses its file

@@ -8,23 +8,20 @@ import torch
 
 from vllm_gdn_hs.connector.metadata import NewRequest
 
-# Runs of up to this many rows (decode steps) are gathered per step and filed in batches
-# of 32 to 63 rows per request (staggered, so that requests decoding in lockstep do not
-# all file in the same step); longer runs (prefill chunks) are copied at once. So up to
-# 63 steps' blocks of decode rows stay alive: at 27B with 256 requests decoding, 1 GB.
-_SHORT_RUN, _PENDING_ROWS = 4, 32
+# Runs of up to SHORT_RUN rows (decode) are gathered per step and filed in batches of 32 to 63
+# rows per request (staggered, so that requests decoding in lockstep do not all file in the
+# same step); longer runs (prefill chunks) are copied at once.
+SHORT_RUN, PENDING_ROWS = 4, 32
 
 
 class RequestRows:
     """Host rows of one request, indexed by token position.
 
-    The drain thread shares the GIL with the engine thread, which in eager mode spends a
-    decode step issuing kernels. So the per-row work of decode stays out of Python: a
-    step's short runs are gathered into one block by one numpy call (which lets go of
-    the GIL while it copies), each request keeps (block, row) references, and files them
-    a few dozen at a time, stacking numpy views (bf16 as int16, the same bytes; a tenth of
-    the cost of a torch call) straight into place. A block lives until every request
-    holding rows of it has filed them. Long runs (prefill) are copied by torch, in parallel.
+    The drain thread shares the GIL with the engine thread, so decode's per-row work stays
+    out of Python: a step's short runs are gathered into one block by one numpy call (which
+    releases the GIL), each request keeps (block, row) references and files them a few dozen
+    at a time, stacking numpy views (bf16 as int16) straight into place. Long runs (prefill)
+    are copied by torch.
     """
 
     def __init__(
@@ -33,7 +30,7 @@ class RequestRows:
         num_layers: int,
         hidden: int,
         dtype: torch.dtype,
-        flush_rows: int = _PENDING_ROWS,
+        flush_rows: int = PENDING_ROWS,
         norms_width: int | None = None,
     ):
         self.req = req

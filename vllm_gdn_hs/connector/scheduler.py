@@ -1,24 +1,25 @@
-"""The connector's scheduler side: which file each request gets, and when it is finished.
+"""The connector's scheduler side: where each request's hidden states go, and when it ended.
 
 Request ids and ``kv_transfer_params`` come from the network: the params are checked with
-:func:`vllm_gdn_hs.config.request_params` and the path made with :mod:`vllm_gdn_hs.files`
-before anything is opened. A request refused here is served as usual; its response's
-``kv_transfer_params`` carry ``hidden_states_error`` (the reason) instead of a path. Nothing
-here raises into vLLM's ``schedule()``.
+:func:`vllm_gdn_hs.config.request_params` and the place made by the storage backend
+(:mod:`vllm_gdn_hs.storage`) before anything is opened. A request refused here is served as
+usual; its response's ``kv_transfer_params`` carry ``hidden_states_error`` (the reason)
+instead of a path. Nothing here raises into vLLM's ``schedule()``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-from vllm_gdn_hs import CONNECTOR_NAME, files, init_logger
 from vllm_gdn_hs.config import HiddenStatesConfig, request_params
 from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.base import RowShape
+from vllm_gdn_hs.storage.registry import storage_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -38,50 +39,20 @@ class HybridHiddenStatesConnectorScheduler:
         layer_ids: list[int],
         max_model_len: int,
         hidden: int = 0,
-        dtype=None,
+        dtype: Any = None,
     ):
         self.cfg = cfg
-        self.storage_path = os.path.abspath(cfg.shared_storage_path)
-        self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)
         self.max_model_len = max_model_len
-        # request id -> (file, rows to reserve, include_output_tokens)
+        # request id -> (place, rows to reserve, include_output_tokens)
         self._paths: dict[str, tuple[str, int, bool]] = {}
-        self._refused: dict[str, str] = {}  # request id -> why it gets no file
+        self._refused: dict[str, str] = {}  # request id -> why it gets no hidden states
         self._finished: list[FinishedRequest] = []
         self.abort_reason = ABORTED
         # request id -> its response's kv_transfer_params, for vLLM's abort output (which
         # carries none of its own); kept until the next step
         self.aborted: dict[str, dict[str, Any]] = {}
-        # -- storage seam: the mooncake backend names objects, not files --
-        self.keys = None
-        if cfg.mooncake is not None:
-            from vllm_gdn_hs.connector.mooncake_store import KeyMaker
-
-            self.keys, self.sample = KeyMaker(), (len(layer_ids), hidden, dtype)
-            self.fp8 = cfg.fp8
-            logger.info(
-                "%s: layers %s -> Mooncake store at %s%s",
-                CONNECTOR_NAME,
-                layer_ids,
-                cfg.mooncake.master_server_address,
-                " (fp8)" if cfg.fp8 else "",
-            )
-            return
-        if why := files.check_storage_path(self.storage_path):
-            raise ValueError(
-                f"{CONNECTOR_NAME}: shared_storage_path {self.storage_path!r} is not "
-                f"writable ({why}); pass a writable folder: --hidden-states-path DIR to the "
-                'launcher, or "shared_storage_path" in --kv-transfer-config\'s '
-                "kv_connector_extra_config"
-            )
-        logger.info("%s: layers %s -> %s", CONNECTOR_NAME, layer_ids, self.storage_path)
-        if cfg.allow_custom_save_path:
-            logger.warning(
-                "%s: allow_custom_save_path is on: any client may choose where its file is "
-                "written, anywhere under %s (custom_save_root)",
-                CONNECTOR_NAME,
-                self.custom_root,
-            )
+        self.storage = storage_for(cfg)
+        self.storage.open_scheduler_side(RowShape(layer_ids, hidden, dtype))
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived (vLLM 0.33.0 says so, then reads its params as a dict itself):
@@ -101,7 +72,7 @@ class HybridHiddenStatesConnectorScheduler:
             return  # not its first allocation
         try:
             params = request_params(request.kv_transfer_params)
-            path = self._path_for(request.request_id, params.hidden_states_path)
+            path = self.storage.place_for(request.request_id, params.hidden_states_path)
         except Exception as e:  # the client's input: refused for this request alone
             self._refuse(request.request_id, str(e))
             return
@@ -112,34 +83,6 @@ class HybridHiddenStatesConnectorScheduler:
     def _refuse(self, req_id: str, why: str) -> None:
         self._refused[req_id] = why
         logger.warning("%s: request %r: no hidden states: %s", CONNECTOR_NAME, req_id, why)
-
-    def _path_for(self, req_id: str, custom: str | None) -> str:
-        if self.keys is not None:  # the mooncake backend: the object's key, never taken
-            if custom is not None:
-                logger.warning(
-                    "%s: request %r: hidden_states_path ignored (the mooncake backend)",
-                    CONNECTOR_NAME,
-                    req_id,
-                )
-            return self.keys.key(req_id)
-        if custom is not None and self.cfg.allow_custom_save_path:
-            path = files.custom_path(custom, self.custom_root)
-        else:
-            if custom is not None:  # the response names the file's real path
-                logger.warning(
-                    "%s: request %r: hidden_states_path ignored (allow_custom_save_path is off)",
-                    CONNECTOR_NAME,
-                    req_id,
-                )
-            path = files.request_path(self.storage_path, req_id)
-        if os.path.lexists(path) or os.path.lexists(path + files.LOCK_SUFFIX):
-            # An earlier request with the same id whose file nobody has read yet: writing
-            # again would cost that request its file.
-            raise ValueError(
-                f"{path} already exists and has not been read; send a new request id, or move "
-                "the earlier file away"
-            )
-        return path
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> HybridHiddenStatesConnectorMetadata:
         meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)
@@ -176,8 +119,4 @@ class HybridHiddenStatesConnectorScheduler:
         else:
             token_ids = list(request.prompt_token_ids or ())
         self._finished.append(FinishedRequest(req_id, token_ids))
-        if self.keys is not None:  # hs-connectors' v1 manifest; path is the key
-            from vllm_gdn_hs.connector.mooncake_store import manifest
-
-            return manifest(path, len(token_ids), *self.sample, include_output_tokens, fp8=self.fp8)
-        return {"hidden_states_path": path}
+        return self.storage.response(path, len(token_ids), include_output_tokens)

@@ -1,17 +1,15 @@
 """Device-to-host staging: a ring of pinned host rows, a slot of each step's rows at a time,
 filled on a side stream.
 
-The GPU work (norms, and fp8 quantization) runs on the compute stream in chunks of
-:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and come out of
-the memory vLLM profiled (the runner patch runs it once on the largest step inside
-``profile_run``). The side stream only copies; ``record_stream`` keeps the step's GPU tensors
-alive until it has, so the runner holds no buffer between steps. A slot's rows are free again once
-the drain thread has filed them. On CPU (tests) the same path runs with plain copies.
+The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of
+:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and inside the
+memory vLLM profiled. The side stream only copies; ``record_stream`` keeps the step's GPU
+tensors alive until it has. A slot is free again once the drain thread has filed its rows.
+On CPU (tests) the same path runs with plain copies.
 
-A step that runs eager takes its slot before the forward pass instead, layer-major
-(:meth:`HostRing.take` with ``layer_major``), and each layer's rows leave the GPU as soon as the
-model made them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`), so no step's rows of all
-layers are ever alive on the GPU together.
+A step that runs eager takes a layer-major slot before its forward pass (:meth:`HostRing.take`),
+and each layer's rows leave the GPU as soon as the model made them
+(:class:`~vllm_gdn_hs.patch.extraction.LayerSink`).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs.files import row_norms
+from vllm_gdn_hs.rows import row_norms
 
 CHUNK_TOKENS = 1024  # float32 temporaries of 1,024 x 6 x 5,120: 0.13 GB each at 27B size
 
@@ -76,20 +74,21 @@ class HostSlot:
         side stream once the compute stream has made them, so the forward pass does not wait
         for the copy; ``record_stream`` keeps the allocator from reusing ``rows`` before the
         copy is done, so the caller may drop them at once. On CPU, a plain copy."""
-        stream = self.ring.stream
+        stream, layers = self.ring.stream, self.layers
+        assert layers is not None, "a slot taken layer-major"
         if stream is None or not rows.is_cuda:
-            self.layers[column].copy_(rows)
+            layers[column].copy_(rows)
             return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.layers[column].copy_(rows, non_blocking=True)
+            layers[column].copy_(rows, non_blocking=True)
         rows.record_stream(stream)
 
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
         """The norms and positions of a layer-major slot, after its layers, on the same side
         stream; ``copied`` then marks all of the slot's copies done."""
-        stream = self.ring.stream
-        if stream is None:
+        stream, copied = self.ring.stream, self.copied
+        if stream is None or copied is None:
             self.norms.copy_(norms)
             self.positions.copy_(positions)
             return
@@ -97,7 +96,7 @@ class HostSlot:
         with torch.cuda.stream(stream):
             self.norms.copy_(norms, non_blocking=True)
             self.positions.copy_(positions, non_blocking=True)
-            self.copied.record(stream)
+            copied.record(stream)
         for t in (norms, positions):  # made on the compute stream, read on the side stream
             if t.is_cuda:
                 t.record_stream(stream)
@@ -205,7 +204,7 @@ class HostRing:
                 slot.hidden_states.copy_(rows, non_blocking=True)
                 slot.norms.copy_(norms, non_blocking=True)
                 slot.positions.copy_(positions, non_blocking=True)
-                slot.copied.record(self.stream)
+                slot.copied.record(self.stream)  # type: ignore[union-attr]  # made with CUDA
             # Made on the compute stream, read on this one: not reused before the copies end.
             for t in (hidden_states, rows, norms, positions):
                 t.record_stream(self.stream)

@@ -1,27 +1,21 @@
-"""The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines, the
-benchmarks (``benchmarks/writer_throughput.py``, ``decode_contention.py``) and vLLM's stats
-loggers: its ``KVConnectorStats`` (:class:`HiddenStatesKVConnectorStats`, vLLM's ``KV Transfer
-metrics`` log line) and its Prometheus ``/metrics`` (:class:`HiddenStatesPromMetrics`, the
-``vllm:hidden_states_*`` series per engine).
-
-The log lines keep their wording: ``benchmarks/logparse.py`` finds the last one in an engine
-log of a run it did not start in-process.
-"""
+"""The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines,
+the benchmarks and vLLM's stats loggers: its ``KV Transfer metrics`` log line
+(:class:`HiddenStatesKVConnectorStats`) and Prometheus ``/metrics``
+(:class:`HiddenStatesPromMetrics`). The log lines keep their wording: ``benchmarks/logparse.py``
+parses them."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-try:  # vLLM's stats containers for KV connectors (every supported release has them; probed)
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-    )
-except ImportError:  # pragma: no cover - a release without them: the log lines only
-    KVConnectorPromMetrics = KVConnectorStats = None
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 
 @dataclass
@@ -67,7 +61,7 @@ class WriterStats:
             f"{self.in_flight} requests in flight{since}; {self.timing_summary()}"
         )
 
-    def shutdown_line(self, unfinished_ids: list[str] = (), unit: str = "files") -> str:
+    def shutdown_line(self, unfinished_ids: Sequence[str] = (), unit: str = "files") -> str:
         lost = f", {self.lost_at_shutdown} lost at shutdown" if self.lost_at_shutdown else ""
         ids = f" ({', '.join(unfinished_ids[:5])})" if unfinished_ids else ""
         return (
@@ -103,7 +97,7 @@ class StatsBook:
         with self.lock:
             return dataclasses.replace(self._stats)
 
-    def interval(self, gauges: dict[str, float] | None = None) -> dict[str, float]:
+    def interval(self, gauges: Mapping[str, float] | None = None) -> dict[str, float]:
         """The counters' change since the last call, and each of ``gauges`` (name -> value
         now) whose value changed since; empty if nothing changed."""
         gauges = gauges or {}
@@ -115,46 +109,39 @@ class StatsBook:
         return delta
 
 
-if KVConnectorStats is not None:
+@dataclass
+class HiddenStatesKVConnectorStats(KVConnectorStats):
+    """The writer's figures over one interval (``data``: a counter's change, a gauge's
+    new value), as vLLM's stats loggers collect them from the worker: counters are summed,
+    a gauge keeps its newest value."""
 
-    @dataclass
-    class HiddenStatesKVConnectorStats(KVConnectorStats):
-        """The writer's figures over one interval (``data``: a counter's change, a gauge's
-        new value), as vLLM's stats loggers collect them from the worker: counters are summed,
-        a gauge keeps its newest value."""
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
 
-        def reset(self) -> None:
-            self.data = {}
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in (other.data or {}).items():
+            self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
+        return self
 
-        def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-            for k, v in (other.data or {}).items():
-                self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
-            return self
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's counters. Not the gauges: vLLM's aggregated logging of several
+        engines feeds one accumulator, where one engine's value would read as the total
+        (Prometheus has them per engine; the progress line has this engine's)."""
+        return {
+            k: round(v, 3) if isinstance(v, float) else v
+            for k, v in sorted(self.data.items())
+            if k not in WriterStats.GAUGES
+        }
 
-        def reduce(self) -> dict[str, int | float]:
-            """The log line's counters. Not the gauges: vLLM's aggregated logging of several
-            engines feeds one accumulator, where one engine's value would read as the total
-            (Prometheus has them per engine; the progress line has this engine's)."""
-            return {
-                k: round(v, 3) if isinstance(v, float) else v
-                for k, v in sorted(self.data.items())
-                if k not in WriterStats.GAUGES
-            }
+    def is_empty(self) -> bool:  # a gauge back at 0 is news
+        return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
-        def is_empty(self) -> bool:  # a gauge back at 0 is news
-            return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
-    def kv_connector_stats(
-        data: dict[str, Any] | None, empty: bool = False
-    ) -> HiddenStatesKVConnectorStats | None:
-        """vLLM's stats object for ``data``; None for no data unless ``empty``."""
-        return HiddenStatesKVConnectorStats(data=dict(data or {})) if data or empty else None
-
-else:  # pragma: no cover
-    HiddenStatesKVConnectorStats = None
-
-    def kv_connector_stats(data: dict[str, Any] | None, empty: bool = False) -> None:
-        return None
+def kv_connector_stats(
+    data: dict[str, Any] | None, empty: bool = False
+) -> HiddenStatesKVConnectorStats | None:
+    """vLLM's stats object for ``data``; None for no data unless ``empty``."""
+    return HiddenStatesKVConnectorStats(data=dict(data or {})) if data or empty else None
 
 
 # WriterStats field -> the Prometheus series vLLM's /metrics shows it as, and its help text.
@@ -206,38 +193,33 @@ PROM_SERIES = {
 }
 
 
-if KVConnectorPromMetrics is not None:
+class HiddenStatesPromMetrics(KVConnectorPromMetrics):
+    """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
+    labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
+    interval's :class:`HiddenStatesKVConnectorStats` data."""
 
-    class HiddenStatesPromMetrics(KVConnectorPromMetrics):
-        """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
-        labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
-        interval's :class:`HiddenStatesKVConnectorStats` data."""
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.per_engine: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_SERIES.items():
+            if key in WriterStats.GAUGES:
+                metric = self._gauge_cls(
+                    name=name,
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                )
+            else:
+                metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self.per_engine[key] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
-        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            self.per_engine: dict[str, dict[int, Any]] = {}
-            for key, (name, doc) in PROM_SERIES.items():
-                if key in WriterStats.GAUGES:
-                    metric = self._gauge_cls(
-                        name=name,
-                        documentation=doc,
-                        labelnames=labelnames,
-                        multiprocess_mode="mostrecent",
-                    )
-                else:
-                    metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-                self.per_engine[key] = {
-                    idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
-                }
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            for key, value in transfer_stats_data.items():
-                if (child := self.per_engine.get(key, {}).get(engine_idx)) is None:
-                    continue  # a figure not exported (see PROM_SERIES)
-                if key in WriterStats.GAUGES:
-                    child.set(value)
-                elif value > 0:
-                    child.inc(value)
-
-else:  # pragma: no cover
-    HiddenStatesPromMetrics = None
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            if (child := self.per_engine.get(key, {}).get(engine_idx)) is None:
+                continue  # a figure not exported (see PROM_SERIES)
+            if key in WriterStats.GAUGES:
+                child.set(value)
+            elif value > 0:
+                child.inc(value)

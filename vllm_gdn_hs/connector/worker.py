@@ -1,16 +1,11 @@
 """The connector's worker side: a request's rows from the GPU to its storage.
 
-After each forward pass the patched runner hands the step's rows to :meth:`save`
-(``HybridHiddenStatesConnector.save_hidden_states``), which starts their copy into a pinned
-host slot (:mod:`.staging`) and queues them for the drain thread (:mod:`.drain`), which files
-them into each request's rows (:mod:`.request_rows`). When the scheduler side says a request
-finished, the drain thread hands it to the writer (:mod:`.writer`: the write pool and its
-backlog), which stores it (:mod:`.storage`: the file backend writes one safetensors file and
-releases its ``.lock``). A failure costs only that request its file: logged once with its id,
-counted (:mod:`.stats`), no file and no lock.
-
-Shutdown (:meth:`close`) drains everything queued within ``shutdown_drain_s``; a request not
-written by then loses its lock and is counted as lost at shutdown.
+:meth:`save` starts each step's copy into a pinned host slot (:mod:`.staging`) and queues it
+for the drain thread (:mod:`.drain`), which files the rows by request (:mod:`.request_rows`)
+and hands each finished request to the writer (:mod:`.writer`), which stores it
+(:mod:`vllm_gdn_hs.storage`). A failure costs only that request its hidden states: logged once
+with its id, counted (:mod:`.stats`). :meth:`close` drains what is queued within
+``shutdown_drain_s``; a request not written by then is given up and counted.
 """
 
 from __future__ import annotations
@@ -23,14 +18,14 @@ import time
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.drain import Drain, Finish, StepRows
 from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
 from vllm_gdn_hs.connector.staging import HostRing
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
-from vllm_gdn_hs.connector.storage import make_storage
 from vllm_gdn_hs.connector.writer import Writer
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.registry import storage_for
 
 logger = init_logger(__name__)
 
@@ -57,14 +52,11 @@ class HybridHiddenStatesConnectorWorker:
         # warning_once keys on the arguments: a new figure would log again, at every step);
         # the totals are in the progress and shutdown lines.
         self.warned: set[str] = set()
-        self.storage = make_storage(cfg)
+        self.storage = storage_for(cfg)
+        self.storage.open_worker_side()
+        drain_done = threading.Event()
         self.writer = Writer(
-            cfg,
-            self.storage,
-            self.book,
-            num_layers,
-            self._warn_once,
-            producer_alive=lambda: self.drain.thread.is_alive(),
+            cfg, self.storage, self.book, num_layers, self._warn_once, producer_done=drain_done
         )
         self.drain = Drain(
             self.storage,
@@ -74,6 +66,7 @@ class HybridHiddenStatesConnectorWorker:
             hidden,
             self.ring.hidden_states.dtype,  # as stored: fp8 with cfg.fp8
             norms_width=num_layers + cfg.fp8,
+            done=drain_done,
         )
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
@@ -123,8 +116,8 @@ class HybridHiddenStatesConnectorWorker:
                 "host_buffers)",
                 CONNECTOR_NAME,
                 waited,
-                self.writer.writing,
-                self.writer.backlog_bytes / 1e9,
+                (gauges := self.writer.gauges())["writing"],
+                gauges["backlog_bytes"] / 1e9,
             )
         self.drain.put(StepRows(slot, req_ids, query_start_loc_cpu.tolist()))
         self.book.add(steps=1, engine_waited_s=waited, engine_save_s=time.perf_counter() - t0)
@@ -137,9 +130,7 @@ class HybridHiddenStatesConnectorWorker:
 
     def gauges(self) -> dict[str, int]:
         """:attr:`WriterStats.GAUGES` now."""
-        with self.writer.cond:
-            writing, backlog = self.writer.writing, self.writer.backlog_bytes
-        return {"writing": writing, "backlog_bytes": backlog, "in_flight": len(self.drain.requests)}
+        return {**self.writer.gauges(), "in_flight": self.drain.in_flight}
 
     def interval_stats(self) -> dict[str, float]:
         """The counters' change since the last call and the gauges that moved (vLLM's
@@ -163,10 +154,6 @@ class HybridHiddenStatesConnectorWorker:
             self.warned.add(key)
             logger.warning(msg, *args)
 
-    def drained(self, timeout: float) -> bool:
-        """Wait until the drain thread has done every task queued before this call."""
-        return self.drain.flushed(timeout)
-
     # -- shutdown ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
         """Write every finished request within ``timeout`` s (default ``shutdown_drain_s``);
@@ -185,7 +172,7 @@ class HybridHiddenStatesConnectorWorker:
                 )
             self.writer.close(deadline)
             unfinished = self.drain.abandon_unfinished()
-            self.storage.close(deadline)  # mooncake: trainers may read until then
+            self.storage.close(deadline)  # a store's readers may read until then
         self.book.add(unfinished=len(unfinished))
         line = self.stats.shutdown_line(unfinished, self.storage.unit)
         logger.info("%s: %s", CONNECTOR_NAME, line)
@@ -193,10 +180,9 @@ class HybridHiddenStatesConnectorWorker:
 
 @contextlib.contextmanager
 def _signals_logged(timeout: float):
-    """SIGINT and SIGTERM are logged, not acted on, while the writes drain (vLLM's engine
-    core puts the default handlers back before its teardown, so a second signal would end
-    the process mid-write); the drain itself is bounded by ``timeout``. Only the main
-    thread can set handlers: elsewhere nothing changes."""
+    """SIGINT and SIGTERM are logged, not acted on, while the writes drain (within
+    ``timeout``): vLLM's engine core puts the default handlers back before its teardown, so a
+    second signal would end the process mid-write. Only the main thread can set handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

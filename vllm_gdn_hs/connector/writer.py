@@ -1,15 +1,11 @@
 """The write pool and its backlog: finished requests' rows to their storage.
 
 The drain thread hands each finished request over as a :class:`WriteJob`; ``write_workers``
-threads check its rows and store them (:mod:`.storage`). Rows of finished requests not yet
-written are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, the drain
-thread stops freeing host buffers, and the engine slows to the speed of the writes instead of
-the host running out of memory.
-
-At shutdown :meth:`Writer.close` waits for every queued write until the deadline
-(``shutdown_drain_s``); what is still queued or running then is abandoned (its lock removed)
-and counted as lost at shutdown. The threads are not daemons: if the process exits without
-``close()`` (vLLM never called the connector's ``shutdown()``), they finish the queue first.
+threads check its rows and store them (:mod:`vllm_gdn_hs.storage`). The rows waiting are
+bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and the engine slows to
+the speed of the writes instead of the host running out of memory. :meth:`Writer.close`
+waits for the queue until the shutdown deadline, then abandons what is left (counted). The
+threads are not daemons: if the process exits without ``close()``, they finish the queue.
 """
 
 from __future__ import annotations
@@ -22,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
 from vllm_gdn_hs.connector.stats import StatsBook
-from vllm_gdn_hs.connector.storage import HiddenStatesStorage, StoredRequest
-from vllm_gdn_hs.files import check_norms
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.rows import check_norms
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
-_POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
+POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
 
 
 @dataclass(eq=False)  # by identity: the set of running writes holds them
@@ -49,11 +45,11 @@ class Writer:
         book: StatsBook,
         num_layers: int,
         warn_once: Callable[..., None],
-        producer_alive: Callable[[], bool] = lambda: False,
+        producer_done: threading.Event,
     ):
         self.cfg, self.storage, self.book, self.num_layers = cfg, storage, book, num_layers
         self.warn_once = warn_once
-        self.producer_alive = producer_alive  # the drain thread, which submits
+        self.producer_done = producer_done  # set when the drain thread, which submits, ends
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.running: set[WriteJob] = set()
         # The backlog and the writes in flight, shared by the drain thread and the writers.
@@ -102,14 +98,19 @@ class Writer:
         else:
             self.jobs.put(job)
 
+    def gauges(self) -> dict[str, int]:
+        """Files queued or being written, and their rows' bytes in host memory."""
+        with self.cond:
+            return {"writing": self.writing, "backlog_bytes": self.backlog_bytes}
+
     # -- write threads ----------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             try:
-                job = self.jobs.get(timeout=_POLL_S)
+                job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
                 # The process is ending without close(): finish the queue, then go.
-                if not threading.main_thread().is_alive() and not self.producer_alive():
+                if not threading.main_thread().is_alive() and self.producer_done.is_set():
                     return
                 continue
             if job is None:

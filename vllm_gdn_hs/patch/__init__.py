@@ -59,7 +59,7 @@ class Patch:
     applied: bool = False
 
     def apply(self) -> None:
-        from vllm_gdn_hs import init_logger
+        from vllm_gdn_hs.names import init_logger
 
         logger = init_logger(__name__)
         if self.applied or getattr(self.target, "_vllm_gdn_hs_patched", False):
@@ -68,7 +68,7 @@ class Patch:
             verb = "replaced" if hasattr(self.target, name) else "added"
             setattr(self.target, name, value)
             logger.debug("vllm_gdn_hs: %s %s.%s", verb, self.target.__qualname__, name)
-        self.target._vllm_gdn_hs_patched = True
+        self.target._vllm_gdn_hs_patched = True  # type: ignore[attr-defined]
         self.applied = True
 
 

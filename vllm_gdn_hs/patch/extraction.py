@@ -20,12 +20,17 @@ into every replay.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.files import row_norms
-from vllm_gdn_hs.hook import hidden_states_connector, hidden_states_connector_class
+from vllm_gdn_hs.hook import (
+    TakesLayerRows,
+    hidden_states_connector,
+    hidden_states_connector_class,
+)
+from vllm_gdn_hs.rows import row_norms
 
 
 def extraction_layer_ids(vllm_config) -> list[int] | None:
@@ -100,7 +105,7 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
         sink.slot = sink.norms = None
         if sink.taken != len(self.hidden_states_order):
             raise RuntimeError(f"the model made {sink.taken} aux states in an eager step")
-        connector.save_taken_rows(
+        cast(TakesLayerRows, connector).save_taken_rows(
             slot, req_ids, query_start_loc_cpu, norms, positions[:num_tokens].clone()
         )
         return
@@ -173,7 +178,7 @@ def install_sink(self) -> None:
     if (
         holder is None
         or getattr(holder, "use_sequence_parallel", False)
-        or not hasattr(connector_class, "take_rows")
+        or not (isinstance(connector_class, type) and issubclass(connector_class, TakesLayerRows))
         or config_from(self.vllm_config).fp8
     ):
         return
@@ -222,7 +227,7 @@ def sink_open(self, num_tokens: int, dummy_run: bool):
             connector = self.hidden_states_connector = hidden_states_connector(
                 get_kv_transfer_group()
             )
-        slot = connector.take_rows(num_tokens)
+        slot = cast(TakesLayerRows, connector).take_rows(num_tokens)
     sink.start(num_tokens, slot)
     try:
         yield

@@ -1,19 +1,16 @@
 """Make the compile cache key see the hidden-states connector's layer ids.
 
-Why: with ``HybridHiddenStatesConnector`` the target model returns aux hidden
-states of the chosen layers, which changes the compiled graph. vLLM keys its
-torch.compile cache on ``VllmConfig.compute_hash()``; with a speculative config
-that key includes the aux layers, but the config patch drops the speculative
-config, and ``KVTransferConfig.compute_hash`` has no factors. Without this, a
-cache written by a plain run of the same model could be loaded for an
-extraction run (or the reverse).
+Why: with the connector the model returns aux hidden states of the chosen layers, which
+changes the compiled graph. vLLM's torch.compile cache key covers the aux layers only
+through the speculative config, which the config patch drops, and ``KVTransferConfig`` adds
+no factors: a plain run's cache could be loaded for an extraction run (or the reverse).
 
 How: wraps ``KVTransferConfig.compute_hash`` (up to 0.33.0) or, where vLLM builds the key
 from each config's ``compile_factors()`` (0.34.0), that method; for this connector the key
 also covers the connector name and its layer ids.
 
-Upstream: not needed where the speculative config carries the layers. Remove
-with the config patch. Source twin: ``patches/<vllm version>/0002-*.patch``.
+Upstream: not needed where the speculative config carries the layers. Remove with the config
+patch. Twin: ``patches/*/0002-*.patch``.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ import hashlib
 
 from vllm.config import KVTransferConfig
 
-from vllm_gdn_hs import CONNECTOR_NAME
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.patch import Patch
 
 # vLLM 0.34.0 keys the cache on each config's compile_factors(); earlier releases on a hash.

@@ -1,28 +1,20 @@
 """Hidden states without speculative decoding, and HMA on, for the hidden-states connector.
 
 Why:
-- vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off whenever
-  ``--kv-transfer-config`` is set and the user expressed no preference, even for
-  a connector that subclasses ``SupportsHMA``. A GDN hybrid model (Qwen3.5/3.6)
-  cannot start without HMA ("Hybrid KV cache manager is disabled but failed to
-  convert the KV cache specs to one unified type").
-- speculators asks for hidden states through the ``extract_hidden_states``
-  speculative method. Running it as speculative decoding costs a draft model
-  layer in the KV cache (whose page cannot be unified with GDN pages on 0.20.1),
-  one extra GDN state block per request (19% of the KV cache capacity of
-  Qwen3.6-27B at 8k context) and a wasted draft token in every decode step.
-  ``HybridHiddenStatesConnector`` needs none of it: only the target model's aux
-  hidden states, which the runner patch hands to it after each forward pass.
+- vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off whenever ``--kv-transfer-config``
+  is set and the user expressed no preference, even for a ``SupportsHMA`` connector; a GDN
+  hybrid model (Qwen3.5/3.6) cannot start without HMA.
+- speculators asks for hidden states through the ``extract_hidden_states`` speculative
+  method. Run as speculative decoding it costs a draft layer in the KV cache, one extra GDN
+  state block per request (a fifth of the KV cache at 27B, 8k context) and a wasted draft
+  token each decode step; the connector needs only the target model's aux hidden states.
 
-How: before the original ``VllmConfig.__post_init__``, when the configured
-connector is ``HybridHiddenStatesConnector``: an ``extract_hidden_states``
-speculative config is replaced by its layer ids, kept in
-``kv_connector_extra_config["layer_ids"]``, and the speculative config is
-dropped. For any connector subclassing ``SupportsHMA``, when the user left
-``disable_hybrid_kv_cache_manager`` unset and the platform supports HMA, it is
-set to False. Every other case goes through vLLM's own rules unchanged. After
-the original, the connector's startup checks run (layer ids, prefix caching,
-pipeline parallelism), so a bad configuration fails before any model loads.
+How: before the original ``VllmConfig.__post_init__``, when the configured connector is ours,
+an ``extract_hidden_states`` speculative config is replaced by its layer ids (in
+``kv_connector_extra_config["layer_ids"]``) and dropped. For any ``SupportsHMA`` connector,
+when the user left ``disable_hybrid_kv_cache_manager`` unset and the platform supports HMA,
+it is set to False; every other case follows vLLM's rules. After the original, the
+connector's startup checks run, so a bad configuration fails before any model loads.
 
 vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
 so there the HMA part is left out. From 0.22.0 vLLM may pick Model Runner V2 (0.26.0: for
@@ -42,8 +34,8 @@ from __future__ import annotations
 
 from vllm.config import VllmConfig
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 from vllm_gdn_hs.version import model_runner_v2_asked_for
 
@@ -125,7 +117,7 @@ def __post_init__(self: VllmConfig) -> None:
 
 
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
-    unsupported = _orig_v2_unsupported(self)
+    unsupported = _orig_v2_unsupported(self)  # type: ignore[misc]  # patched only where set
     if is_ours(self.kv_transfer_config) and not model_runner_v2_asked_for():
         unsupported.append(CONNECTOR_NAME)
     return unsupported

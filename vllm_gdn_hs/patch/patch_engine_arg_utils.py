@@ -1,27 +1,23 @@
 """Default prefix caching to off when HybridHiddenStatesConnector is used.
 
-Why: a prefix-cache hit skips the forward pass of the cached tokens, so their
-hidden states would never be computed and the file would miss rows. The
-connector refuses ``enable_prefix_caching=True`` at startup; this patch makes
-the default (the user said nothing) off, so swapping the connector name is
-the whole migration.
+Why: a prefix-cache hit skips the forward pass of the cached tokens, so the file would miss
+their rows. The connector refuses ``enable_prefix_caching=True``; this patch turns the
+default off, so that swapping the connector name is the whole migration.
 
-How: wraps ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``;
-if the user left ``enable_prefix_caching`` unset and the KV transfer config
-names the connector, it is set to False after vLLM's defaults. A user's
-explicit choice is kept (and True is refused by the connector).
+How: wraps ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``: if the user
+left ``enable_prefix_caching`` unset and the KV transfer config names the connector, it is
+set to False after vLLM's defaults (an explicit True is refused by the connector).
 
-Upstream: none; vLLM's own hidden-states connector has the same limitation.
-Remove when the connector handles cached prefixes. Source twin:
-``patches/<vllm version>/0003-*.patch``.
+Upstream: none; vLLM's own hidden-states connector has the same limitation. Remove when the
+connector handles cached prefixes. Twin: ``patches/*/0003-*.patch``.
 """
 
 from __future__ import annotations
 
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)

@@ -1,47 +1,37 @@
 """Hand the target model's aux hidden states to the connector after every forward pass.
 
-Why: ``HybridHiddenStatesConnector`` streams hidden states out of the GPU each
-step instead of keeping them in the paged KV cache. The config patch drops the
-``extract_hidden_states`` speculative config (no drafter, no draft tokens, no
-extra GDN state), so the runner must itself ask the model for the aux hidden
-states of the chosen layers and give them to the connector.
+Why: the connector streams hidden states out of the GPU each step instead of keeping them in
+the paged KV cache, and the config patch drops the ``extract_hidden_states`` speculative
+config (no drafter, no draft tokens, no extra GDN state), so the runner itself asks the model
+for the aux hidden states of the chosen layers and gives them to the connector.
 
 How, only when the connector is configured:
 - ``__init__``: ``use_aux_hidden_state_outputs`` on; nothing allocated;
-- ``_get_eagle3_aux_layers_from_config``: the connector's layer ids, which
-  ``load_model`` gives to the model;
-- ``profile_run`` (inside vLLM's memory profiling, which sizes the KV cache):
-  after the original, the hand-over of the largest step is allocated once
-  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`: the aux states, their stack,
-  the positions and the connector's GPU temporaries), so the KV cache is sized with it
-  and nothing is held between steps (a one-step buffer held for the engine's lifetime cost
-  1.8% of the KV cache at Qwen3.6-27B size);
-- ``_model_forward`` (called only for real steps, never for dummy runs): after
-  the original, the aux states of the scheduled tokens are stacked, layers in
-  the configured order, into a fresh tensor (so CUDA-graph outputs and the
-  runner's inputs can be reused at once; the memory is what the forward pass
-  has just freed) and handed, with a copy of their positions, the step's
-  request ids and query start locations, to the connector through
-  ``vllm_gdn_hs.hook.TakesHiddenStates`` (the active connector, or ours inside
-  ``MultiConnector``; any other connector is refused with a message at startup, when
-  the runner is made; on tensor-parallel ranks that do not write, nothing is stacked).
-  The connector copies them to pinned host memory on a side stream and keeps the
-  tensors alive for it (``record_stream``); nothing here waits on the GPU;
+- ``_get_eagle3_aux_layers_from_config``: the connector's layer ids, for ``load_model``;
+- ``profile_run`` (inside vLLM's memory profiling, which sizes the KV cache): after the
+  original, the hand-over of the largest step is allocated once
+  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`), so the KV cache is sized with it and
+  nothing is held between steps (a buffer held for the engine's lifetime would cost KV cache);
+- ``_model_forward`` (real steps only, never dummy runs): after the original, the aux states
+  of the scheduled tokens are stacked, layers in the configured order, into a fresh tensor
+  (so CUDA-graph outputs and the runner's inputs can be reused at once) and handed, with
+  their positions, request ids and query start locations, to the connector through
+  ``vllm_gdn_hs.hook.TakesHiddenStates`` (ours, alone or inside ``MultiConnector``; on
+  tensor-parallel ranks that do not write, nothing is stacked). The connector copies them on
+  a side stream (``record_stream`` keeps them alive); nothing here waits on the GPU;
 - ``_determine_batch_execution_and_padding``: a step of one-token requests that
   starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
   decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but
   the GDN backend builds a prompt's first chunk as a prefill (no prior state),
-  which that graph does not run: the request read a recycled state and its
-  hidden states came out wrong (vLLM 0.33.0, H200: error 0.14-0.25 against HF
-  fp32 at every layer, 16x HF bf16's). The step runs as a piecewise graph instead.
+  which that graph does not run: the request would read a recycled state and get
+  wrong hidden states at every layer. The step runs as a piecewise graph instead.
 
 Applied up to vLLM 0.33.0, the last release with this runner (``version.V1_RUNNER_UNTIL``);
 on 0.33.0 only when ``VLLM_USE_V2_MODEL_RUNNER=0`` makes vLLM pick it. What both runners do
 is in ``patch/extraction.py``.
 
-Upstream: no equivalent. Remove when vLLM offers hidden-state extraction
-without speculative decoding, or when 0.33.0 leaves the supported releases. Source twin:
-``patches/<vllm version>/0004-*.patch``.
+Upstream: no equivalent. Remove when vLLM offers hidden-state extraction without speculative
+decoding, or when 0.33.0 leaves the supported releases. Twin: ``patches/*/0004-*.patch``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Hand the aux hidden states to the connector after every forward pass: Model Runner V2.
 
-Why: from vLLM 0.33.0 Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) is vLLM's
-default runner, hybrid models included, and from 0.34.0 its only one. It already returns the
-model's aux hidden states when speculative decoding asks for them, but only to a drafter.
-The config patch drops the ``extract_hidden_states`` speculative config, so this runner must
-itself ask the model for the chosen layers and give them to the connector. This is the
-plugin's path from 0.33.0 (there ``VLLM_USE_V2_MODEL_RUNNER=0`` still runs the V1 runner's
-patch; ``version.py`` says which release runs which).
+Why: Model Runner V2 is vLLM's default runner from 0.33.0 and its only one from 0.34.0. It
+returns the aux hidden states only to a drafter, and the config patch drops the speculative
+config, so this runner itself asks the model for the chosen layers and gives them to the
+connector (``version.py`` says which release runs which runner).
 
 How, only when the connector is configured:
 - ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps
@@ -20,20 +17,16 @@ How, only when the connector is configured:
   from 0.34.0 the extensible KV cache keeps that run's peak free as transient headroom, and
   its sizing steps run with the connector disabled);
 - ``execute_model``: after the original, when it ran a real forward pass with the connector
-  on (not a dummy run of profiling, capture or an idle data-parallel rank, not the kernel
-  warm-up's made-up requests, for which vLLM disables the connector), the aux states of
-  the scheduled tokens in ``execute_model_state`` are handed to the connector
-  with the batch's request ids, query start locations and positions
-  (:func:`~vllm_gdn_hs.patch.extraction.hand_over`).
-  That is before ``sample_tokens``, whose ``post_forward`` calls the connector's
-  ``wait_for_save`` and asks which files are done, the order the V1 runner keeps.
+  on (no dummy run, no kernel warm-up's made-up requests), the scheduled tokens' aux states
+  are handed to the connector with the batch's request ids, query start locations and
+  positions (:func:`~vllm_gdn_hs.patch.extraction.hand_over`), before ``sample_tokens``
+  (whose ``post_forward`` calls ``wait_for_save``), the order the V1 runner keeps.
 
 V2 keeps prefill chunks out of FULL decode CUDA graphs itself (a batch is decode-graph
 eligible only without prefills), so the V1 runner's dispatch guard has no twin here.
 
 Upstream: no equivalent; ``patches/upstream/`` proposes the same hand-over through V2's
-``KVConnector`` interface. Source twin:
-``patches/<vllm version>/*-gpu-model-runner-v2-*.patch`` (0005 on 0.33.0, 0004 from 0.34.0).
+``KVConnector`` interface. Twin: ``patches/*/*-gpu-model-runner-v2-*.patch``.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import RequestStatus
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger, serve_args
+from vllm_gdn_hs import serve_args
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch, require
 
 try:  # vLLM 0.33.0 on: an error the API server answers with its own HTTP status

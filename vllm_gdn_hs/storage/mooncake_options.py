@@ -1,25 +1,24 @@
 """The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``.
 
-The same object, with the same keys and meaning, as speculators' launcher puts there
-(``dataclasses.asdict`` of hs-connectors' ``MooncakeStoreConfig``, built by
-``launch_vllm.py --hidden-states-backend mooncake``), so a config written for hs-connectors'
-``MooncakeHiddenStatesConnector`` runs here unchanged. Apart from the connector, like
-:mod:`vllm_gdn_hs.config`, so the launcher checks it without importing torch or vLLM.
+The same keys and meaning as speculators' launcher puts there (hs-connectors'
+``MooncakeStoreConfig``), so a config written for hs-connectors' connector runs here
+unchanged. Apart from :mod:`.mooncake`, so the launcher checks it without torch or vLLM.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from vllm_gdn_hs import CONNECTOR_NAME
+from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.storage.base import StorageOptions
 
 GIB = 1024**3
 
 
-class MooncakeOptions(BaseModel):
+class MooncakeOptions(StorageOptions):
     """Where the Mooncake store is and how this server joins it (as a client)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -44,6 +43,21 @@ class MooncakeOptions(BaseModel):
     device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty: Mooncake's")
     # speculators' --mooncake-writer-threads; here it sizes the connector's write_workers.
     num_writer_threads: int = Field(4, ge=1, le=64)
+
+    def check_config(self, cfg: Any) -> None:
+        if cfg.allow_custom_save_path:
+            raise ValueError(
+                "allow_custom_save_path does not apply to the mooncake backend (it writes no "
+                "files): drop it"
+            )
+        threads = self.num_writer_threads
+        if "write_workers" not in cfg.model_fields_set:
+            cfg.write_workers = threads
+        elif cfg.write_workers != threads:
+            raise ValueError(
+                f"write_workers={cfg.write_workers} and mooncake.num_writer_threads={threads} "
+                "name the same thing: set one (--mooncake-writer-threads)"
+            )
 
     def master(self) -> tuple[str, int]:
         host, _, port = self.master_server_address.rpartition(":")

@@ -1,22 +1,15 @@
-"""The mooncake backend: each request's rows as one object in a Mooncake store.
+"""The mooncake backend's client: this server's puts into a Mooncake store, on the wire.
 
 Mirrors hs-connectors' ``MooncakeHiddenStatesConnector`` (0.9.0) on the wire, so that its
-reader, ``MooncakeTransfer`` (speculators' ``--hidden-states-backend mooncake``), reads our
-objects unchanged: the object is the raw bytes of ``hidden_states`` [T, L, H] in the model
-dtype and ``token_ids`` int64 [T] at the offsets of hs-connectors' own ``packed_layout``; the
-v1 manifest (:func:`manifest`) goes back in the response's ``kv_transfer_params``; a failure
-is the JSON object ``{"error": why}`` under ``key + ":error"``, which the reader raises at
-once. The key starts with hs-connectors' own ``sanitize_key(request_id)`` and ends with a tag
-unique to the request (:class:`KeyMaker`): ``sanitize_key`` maps many ids to one key, and
-request ids repeat across engines and restarts, so no client can make its object land on
-another request's.
+reader, ``MooncakeTransfer``, reads our objects unchanged: the raw bytes of ``hidden_states``
+[T, L, H] and ``token_ids`` int64 [T] at the offsets of its ``packed_layout``, described by
+the v1 manifest (:func:`manifest`) in the response; a failure is ``{"error": why}`` under
+``key + ":error"``, which the reader raises at once.
 
-Unlike hs-connectors, the rows come from the connector's host buffers (nothing is read out
-of the KV cache, no block is held), and every put is hard-pinned: a full store refuses the
-put (-200) instead of evicting an object a trainer has not read yet. The writer then waits
-(:meth:`MooncakeStore.write`), so a full store slows the engine within ``write_backlog_gb``
-as slow storage does. Hard-pinned objects never expire: the reader deletes what it reads,
-and :meth:`MooncakeStore.close` removes what no reader took.
+Every put is hard-pinned: a full store refuses it (-200) instead of evicting an object a
+trainer has not read yet, and the writer waits (:meth:`MooncakeStore.write`), so a full store
+slows the engine as slow storage does. The reader deletes what it reads;
+:meth:`MooncakeStore.close` removes what no reader took.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import secrets
 import threading
 import time
 
@@ -32,38 +24,15 @@ import torch
 from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
-from vllm_gdn_hs import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.mooncake_config import MooncakeOptions, check_master
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
 logger = init_logger(__name__)
 
 ERROR_SUFFIX = ":error"  # hs-connectors' error object: key + ":error"
 NO_AVAILABLE_HANDLE = -200  # no room in any segment: store full (or not yet mounted again)
-OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900  # the master does not answer
-_MAX_KEY_STEM = 160
 _PRUNE_AT = 4096
-
-
-def _sanitize_key(request_id: str) -> str:
-    # hs-connectors' own function; its module imports vLLM, so only here, on use.
-    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
-
-    return sanitize_key(request_id)
-
-
-class KeyMaker:
-    """The scheduler side's keys: ``sanitize_key(request_id)`` (cut to 160 characters), then
-    ``-`` and a tag no other request of any engine gets (12 random hex digits drawn once
-    per scheduler, then a counter)."""
-
-    def __init__(self):
-        self.tag = secrets.token_hex(6)
-        self.count = 0
-
-    def key(self, request_id: str) -> str:
-        self.count += 1
-        return f"{_sanitize_key(request_id)[:_MAX_KEY_STEM]}-{self.tag}{self.count:x}"
 
 
 def manifest(
@@ -107,15 +76,11 @@ class MooncakeStore:
         self.error_retry_s, self.close_grace_s = error_retry_s, close_grace_s
         check_master(options)
         self.client = MooncakeDistributedStore()
+        o = options
         rc = self.client.setup(
-            options.local_hostname,
-            options.metadata_server,
-            options.global_segment_size,
-            options.local_buffer_size,
-            options.protocol,
-            options.device_name,
-            options.master_server_address,
-        )
+            o.local_hostname, o.metadata_server, o.global_segment_size, o.local_buffer_size,
+            o.protocol, o.device_name, o.master_server_address,
+        )  # fmt: skip
         if rc != 0:
             raise ValueError(
                 f"{CONNECTOR_NAME}: Mooncake client setup failed (status {rc}) with the master "
@@ -329,8 +294,6 @@ class MooncakeStore:
                 time.sleep(min(0.2, max(until - time.monotonic(), 0)))
                 waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
         return len(waiting)
-        with contextlib.suppress(Exception):
-            self.client.close()
 
     @staticmethod
     def _check(call: str, key: str, rc) -> None:

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run 45 on one GPU (vLLM 0.34.0 under /tmp/site, the checkout installed there by the call
+# that starts this), in priority order; each step writes its records as it finishes:
+#   1. accuracy of the layer sink against HF (tiny hybrid, eager and CUDA graphs)
+#   2. SIGTERM with 64 requests in flight, with and without a second SIGINT, through the
+#      launcher and plain vllm serve (tests/gpu/test_gpu_shutdown.py)
+#   3. the 27B-shape bench, plain then ours, vLLM's default GDN kernels (run48.sh 1a, 1b)
+#   4. fp8, then the end-to-end rate (run48.sh 2, 3a, 3b), while device time lasts
+# Started by tools/device/session.sh start; SESSION is where everything goes.
+set -u
+cd "$(dirname "$0")/../.."
+export VLLM_GDN_HS_COMMIT=$(cat commit.txt) VLLM_GDN_HS_RESULTS_DIR=$SESSION/results
+mkdir -p "$VLLM_GDN_HS_RESULTS_DIR"
+echo "commit $VLLM_GDN_HS_COMMIT"
+log() { echo "[run45] $(date -u +%H:%M:%S) $*"; }
+suite() {  # OUT folder, then the pytest node ids
+    local out=$SESSION/$1; shift
+    log "suite $(basename "$out") start"
+    SITE=/tmp/site INSTALL=0 RUN_DEMO=0 SUITE_TIMEOUT=${T:-600} OUT="$out" \
+        bash tests/run_gpu_suite.sh "$@"
+    log "suite $(basename "$out") end"
+}
+T=420 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_eager_chunked \
+    tests/gpu/test_gpu_extract.py::test_hybrid_cudagraph \
+    tests/gpu/test_gpu_extract.py::test_hybrid_eager_unchunked_and_outputs
+T=600 suite shutdown \
+    "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
+for step in 1a 1b 2 3a 3b; do bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done

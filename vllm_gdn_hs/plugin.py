@@ -1,0 +1,45 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process it
+starts."""
+
+from __future__ import annotations
+
+from vllm_gdn_hs.names import CONNECTOR_MODULE, CONNECTOR_NAME, init_logger
+
+_registered = False
+
+
+def register() -> None:
+    """Check the vLLM version, apply its runtime patches, register the connector.
+
+    Idempotent and cheap: the connector is registered by module path, so its
+    torch-heavy code is imported only when a config names it. The patches are applied in
+    every process and are inert unless the engine's config names our connector
+    (``tests/test_register.py`` shows the config is then stock vLLM's). On a vLLM release the
+    plugin does not support it never raises (vLLM calls it in every process, also those
+    that never use the connector): it logs one warning, applies nothing, and registers
+    :mod:`vllm_gdn_hs.unsupported` under the connector's name, so that naming the
+    connector fails with the list of supported releases. A newer, untested release runs
+    only with ``VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1`` and every method the patches wrap
+    present, and says so in one warning.
+    """
+    global _registered
+    if _registered:
+        return
+    from vllm_gdn_hs.patch import apply_patches
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm, is_untested, untested_note
+
+    logger = init_logger(__name__)
+    module = CONNECTOR_MODULE
+    try:
+        version = check_vllm()
+        apply_patches()  # on an untested vLLM, first probes every method the patches wrap
+        if is_untested():
+            logger.warning("%s", untested_note(version))
+    except UnsupportedVllmError as e:
+        logger.warning("%s; %s is not usable, vLLM runs without it", e, __name__)
+        module = "vllm_gdn_hs.unsupported"
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, module, CONNECTOR_NAME)
+    _registered = True

@@ -1,0 +1,108 @@
+"""The file backend: one safetensors file per request (:mod:`vllm_gdn_hs.files`), under
+``shared_storage_path`` or, with ``allow_custom_save_path``, where the client asks inside
+``custom_save_root``. ``<file>.lock`` is held from :meth:`FileStorage.start` until the file is
+complete (``use_synchronization_lock``); the response names the file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+from vllm_gdn_hs import files
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
+
+if TYPE_CHECKING:
+    import torch
+
+logger = init_logger(__name__)
+
+
+class FileStorage(HiddenStatesStorage):
+    def __init__(self, cfg: StorageConfig):
+        super().__init__(cfg)
+        self.storage_path = os.path.abspath(cfg.shared_storage_path)
+        self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)
+
+    # -- scheduler side ---------------------------------------------------------------
+    def open_scheduler_side(self, shape: RowShape) -> None:
+        if why := files.check_storage_path(self.storage_path):
+            raise ValueError(
+                f"{CONNECTOR_NAME}: shared_storage_path {self.storage_path!r} is not "
+                f"writable ({why}); pass a writable folder: --hidden-states-path DIR to the "
+                'launcher, or "shared_storage_path" in --kv-transfer-config\'s '
+                "kv_connector_extra_config"
+            )
+        logger.info("%s: layers %s -> %s", CONNECTOR_NAME, shape.layer_ids, self.storage_path)
+        if self.cfg.allow_custom_save_path:
+            logger.warning(
+                "%s: allow_custom_save_path is on: any client may choose where its file is "
+                "written, anywhere under %s (custom_save_root)",
+                CONNECTOR_NAME,
+                self.custom_root,
+            )
+
+    def place_for(self, req_id: str, custom: str | None) -> str:
+        if custom is not None and self.cfg.allow_custom_save_path:
+            path = files.custom_path(custom, self.custom_root)
+        else:
+            if custom is not None:  # the response names the file's real path
+                logger.warning(
+                    "%s: request %r: hidden_states_path ignored (allow_custom_save_path is off)",
+                    CONNECTOR_NAME,
+                    req_id,
+                )
+            path = files.request_path(self.storage_path, req_id)
+        if os.path.lexists(path) or os.path.lexists(path + files.LOCK_SUFFIX):
+            # An earlier request with the same id whose file nobody has read yet: writing
+            # again would cost that request its file.
+            raise ValueError(
+                f"{path} already exists and has not been read; send a new request id, or move "
+                "the earlier file away"
+            )
+        return path
+
+    def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
+        return {"hidden_states_path": place}
+
+    # -- worker side ------------------------------------------------------------------
+    def start(self, req_id: str, place: str) -> StoredRequest:
+        fd = files.take_lock(place) if self.cfg.use_synchronization_lock else None
+        return StoredRequest(req_id, place, fd)
+
+    def write(
+        self,
+        request: StoredRequest,
+        hidden_states: torch.Tensor,
+        token_ids: torch.Tensor,
+        scales: torch.Tensor | None,
+    ) -> None:
+        request.begin_write()
+        try:
+            files.write_file(request.path, hidden_states, token_ids, scales)
+        except BaseException:
+            self._release(request, remove=True)
+            raise
+        self._release(request, remove=False)
+
+    def abandon(self, request: StoredRequest, why: str = "") -> None:
+        with request.mutex:
+            if request.state == "open":
+                self._release_locked(request, remove=True)
+            elif request.state == "writing":
+                # The write thread closes the descriptor when it ends; the lock file goes now,
+                # so a reader stops waiting (the file may still appear, complete).
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(request.path + files.LOCK_SUFFIX)
+                request.state = "abandoned"
+
+    def _release(self, request: StoredRequest, remove: bool) -> None:
+        with request.mutex:
+            self._release_locked(request, remove and request.state != "abandoned")
+
+    @staticmethod
+    def _release_locked(request: StoredRequest, remove: bool) -> None:
+        fd, request.handle = request.handle, None
+        request.state = "done" if request.state != "abandoned" else "abandoned"
+        files.release_lock(fd, request.path, remove=remove)
