@@ -92,10 +92,12 @@ def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "mooncake-fp8"])
-def test_unreachable_master_named_before_vllm_starts(capsys, hybrid, backend):
-    """Without --dry-run the launcher checks the master first (the dry runs above reach
-    nothing: their 10.1.2.3 would time out) and names the address."""
+def test_unreachable_master_named_before_vllm_starts(capsys, hybrid, backend, monkeypatch):
+    """Without --dry-run the launcher checks the master on a GPU machine before vLLM starts
+    (the dry runs above reach nothing: their 10.1.2.3 would time out) and names the address."""
     from mooncake_master import free_port
+
+    monkeypatch.setattr(launch, "gpu_visible", lambda: True)  # the check after the GPU's
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     rc = launch.main([hybrid, "--hidden-states-backend", backend, "--mooncake-master", address])
