@@ -147,6 +147,7 @@ def test_profile_run_peak_covers_a_real_steps_hand_over(hybrid_model, tmp_path, 
     from live_bytes import LiveBytes
 
     cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
+    cfg.kv_transfer_config.kv_connector_extra_config["layer_by_layer"] = True
     from vllm.config import CUDAGraphMode
 
     cfg.model_config.enforce_eager = False  # CUDA graphs of up to 16 tokens, as on a GPU
@@ -185,6 +186,8 @@ def test_eager_steps_stream_each_layer_as_the_model_makes_it(hybrid_model, tmp_p
 
     layer_ids = (8, 1, 4)
     cfg = harness.engine_config(hybrid_model, layer_ids=layer_ids, storage=str(tmp_path))
+    assert _runner(cfg, _AuxModel()).hidden_states_sink is None  # off by default
+    cfg.kv_transfer_config.kv_connector_extra_config["layer_by_layer"] = True
     hidden, n = cfg.model_config.get_hidden_size(), 40
     g = torch.Generator().manual_seed(0)
     states = [torch.randn(n + 2, hidden, generator=g).bfloat16() for _ in range(9)]  # +2 pad

@@ -42,6 +42,12 @@ class HiddenStatesConfig(BaseModel):
         description="write hidden_states as float8_e4m3fn with one fp32 scale per token "
         "(hidden_states_scales [T, 1, 1]), quantized on the GPU: speculators' fp8 backend",
     )
+    layer_by_layer: bool = Field(
+        False,
+        description="in steps that run eager, copy each layer's rows out of the GPU as the "
+        "model makes them, so a step's aux states are never all alive on it (warm-up peak, "
+        "KV cache); bf16 files only; not yet run on a GPU, hence off by default",
+    )
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"
     )

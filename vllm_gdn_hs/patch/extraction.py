@@ -163,8 +163,8 @@ def install_sink(self) -> None:
     that an open :class:`LayerSink` takes each aux state. Not installed, and the stacked
     hand-over used for every step, where it cannot work: a vLLM without ``EagleModelMixin`` or
     a model that does not use it, sequence parallelism (the model concatenates the aux states
-    after the last layer), fp8 files (a row's scale spans all layers), or a connector that
-    cannot take a slot."""
+    after the last layer), fp8 files (a row's scale spans all layers), a connector that
+    cannot take a slot, or ``layer_by_layer`` off (the default)."""
     from vllm_gdn_hs.connector.checks import config_from
 
     self.hidden_states_sink = None
@@ -179,7 +179,8 @@ def install_sink(self) -> None:
         holder is None
         or getattr(holder, "use_sequence_parallel", False)
         or not (isinstance(connector_class, type) and issubclass(connector_class, TakesLayerRows))
-        or config_from(self.vllm_config).fp8
+        or not (cfg := config_from(self.vllm_config)).layer_by_layer
+        or cfg.fp8
     ):
         return
     sink = self.hidden_states_sink = LayerSink(
