@@ -21,6 +21,7 @@ from vllm_gdn_hs.files import take_finished
 
 CONNECTORS = {
     "ours": "HybridHiddenStatesConnector",
+    "ours-layers": "HybridHiddenStatesConnector",  # with layer_by_layer: true (VARIANT_CONFIG)
     "ours-v2": "HybridHiddenStatesConnector",  # on Model Runner V2 (plan.variant_env)
     "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
     "mooncake": "HybridHiddenStatesConnector",  # objects in a local Mooncake store (run_vllm)
@@ -28,7 +29,11 @@ CONNECTORS = {
     "upstream": "ExampleHiddenStatesConnector",
 }
 # merged under --connector-config
-VARIANT_CONFIG = {"fp8": {"fp8": True}, "mooncake-fp8": {"fp8": True}}
+VARIANT_CONFIG = {
+    "fp8": {"fp8": True},
+    "mooncake-fp8": {"fp8": True},
+    "ours-layers": {"layer_by_layer": True},
+}
 
 
 def wait_files_ready(out_dir: str, outputs, expected: int, timeout: float) -> float:

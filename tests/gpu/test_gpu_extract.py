@@ -383,6 +383,20 @@ def test_hybrid_cudagraph(models, reference, tmp_path):
         _check("hybrid", outs, one * 2, reference, "hybrid_cudagraph_one_token", pool=False)
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cudagraph"])
+def test_hybrid_layer_by_layer(models, reference, tmp_path, enforce_eager):
+    """The layer sink (``layer_by_layer``): each layer's rows leave the GPU as the model makes
+    them in eager steps (every step eager; with CUDA graphs, the steps larger than any graph),
+    held to HF like the stacked hand-over."""
+    name = f"hybrid_layer_by_layer_{'eager' if enforce_eager else 'cudagraph'}"
+    with engine(
+        models["hybrid"], "hybrid", str(tmp_path), enforce_eager=enforce_eager,
+        options={"layer_by_layer": True}, max_num_batched_tokens=256,
+    ) as llm:  # fmt: skip
+        _check("hybrid", _generate(llm, BASE), BASE, reference, name)
+        _check("hybrid", _generate(llm, MANY), MANY, reference, name + "_80_requests")
+
+
 def test_dense(models, reference, tmp_path):
     with engine(models["dense"], "dense", str(tmp_path), extract="layer_ids") as llm:
         _check("dense", _generate(llm, BASE), BASE, reference, "dense_eager")

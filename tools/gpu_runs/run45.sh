@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Run 45 on one GPU (vLLM 0.34.0 under /tmp/site, the checkout installed there by the call
 # that starts this), in priority order; each step writes its records as it finishes:
-#   1. accuracy of the layer sink against HF (tiny hybrid, eager and CUDA graphs)
+#   1. accuracy of the layer sink (layer_by_layer) against HF (tiny hybrid, eager and CUDA
+#      graphs), beside the stacked hand-over's
 #   2. SIGTERM with 64 requests in flight, with and without a second SIGINT, through the
 #      launcher and plain vllm serve (tests/gpu/test_gpu_shutdown.py)
-#   3. the 27B-shape bench, plain then ours, vLLM's default GDN kernels (run48.sh 1a, 1b)
+#   3. the 27B-shape bench, plain, ours with layer_by_layer, ours; vLLM's default GDN kernels
+#      (run48.sh 1a, 1b, 1c)
 #   4. fp8, then the end-to-end rate (run48.sh 2, 3a, 3b), while device time lasts
 # Started by tools/device/session.sh start; SESSION is where everything goes.
 set -u
@@ -20,9 +22,10 @@ suite() {  # OUT folder, then the pytest node ids
         bash tests/run_gpu_suite.sh "$@"
     log "suite $(basename "$out") end"
 }
-T=420 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_eager_chunked \
+T=540 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer \
+    tests/gpu/test_gpu_extract.py::test_hybrid_eager_chunked \
     tests/gpu/test_gpu_extract.py::test_hybrid_cudagraph \
     tests/gpu/test_gpu_extract.py::test_hybrid_eager_unchunked_and_outputs
 T=600 suite shutdown \
     "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
-for step in 1a 1b 2 3a 3b; do bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done
+for step in 1a 1b 1c 2 3a 3b; do bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done

@@ -4,14 +4,14 @@
 # (--gpu-memory-utilization 0: vLLM's warm-up line gives the allocated-at-peak figure).
 #   usage: tools/gpu_runs/run48.sh RESULTS_DIR [STEPS]    (STEPS: default "1 2 3 4")
 # Steps in priority order; each appends its records as each variant finishes:
-#   1  bench plain then ours, default GDN backend: 128x1024 mixed-out256 chat 32x8192 mixed
-#      -> RESULTS_DIR/run48-bench.json                                          (~12-14 min)
+#   1  bench plain, ours with layer_by_layer, then ours, default GDN backend: 128x1024
+#      mixed-out256 chat 32x8192 mixed -> RESULTS_DIR/run48-bench.json          (~18-20 min)
 #   2  bench fp8 on 128x1024 and mixed-out256 -> run48-bench.json                  (~5 min)
 #   3  e2e plain, file, fp8, mooncake on chat -> run48-e2e.json (~4 min a backend; 3a plain
 #      and file, 3b fp8, 3c mooncake, one device call each)
 #   4  bench plain and ours with --gdn-backends triton on 128x1024 -> run48-bench.json
 # One device call runs at most 10 minutes: give each call one step (1 may need its own call
-# per variant: STEPS "1a" plain, "1b" ours).
+# per variant: STEPS "1a" plain, "1b" ours-layers, "1c" ours).
 set -u
 R=${1:?usage: run48.sh RESULTS_DIR [STEPS]}
 STEPS=${2:-1 2 3 4}
@@ -29,9 +29,10 @@ log() { echo "[run48] $(date -u +%H:%M:%S) $*"; }
 bench() { log "step $1 start"; shift; python3 benchmarks/bench.py "${COMMON[@]}" "$@"; log "end rc=$?"; }
 for s in $STEPS; do
   case $s in
-    1)  bench 1 --variants plain,ours --workloads $WL --budget 1000 ;;
+    1)  bench 1 --variants plain,ours-layers,ours --workloads $WL --budget 1500 ;;
     1a) bench 1a --variants plain --workloads $WL --budget 570 ;;
-    1b) bench 1b --variants ours --workloads $WL --budget 570 ;;
+    1b) bench 1b --variants ours-layers --workloads $WL --budget 570 ;;
+    1c) bench 1c --variants ours --workloads $WL --budget 570 ;;
     2)  bench 2 --variants fp8 --workloads 128x1024,mixed-out256 --budget 570 ;;
     3|3a|3b|3c)  # 3: all four backends; 3a plain,file; 3b fp8; 3c mooncake
         b=plain,file,fp8,mooncake; [ "$s" = 3a ] && b=plain,file

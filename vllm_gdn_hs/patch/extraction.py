@@ -30,6 +30,7 @@ from vllm_gdn_hs.hook import (
     hidden_states_connector,
     hidden_states_connector_class,
 )
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import row_norms
 
 
@@ -199,6 +200,12 @@ def install_sink(self) -> None:
         return out
 
     holder._maybe_add_hidden_state = _maybe_add_hidden_state
+    init_logger(__name__).info(
+        "%s: layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
+        "of more than %d tokens",
+        CONNECTOR_NAME,
+        largest_graph_step(self),
+    )
 
 
 def largest_graph_step(self) -> int:
