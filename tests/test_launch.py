@@ -37,6 +37,9 @@ def no_exec(monkeypatch):
         raise AssertionError(f"os.execvp called: {args}")
 
     monkeypatch.setattr(launch.os, "execvp", refuse)
+    # main() exports the plan's environment before it execs: undone after each test
+    monkeypatch.setenv(serve_args.SHUTDOWN_ENV, "")  # records the original, for the undo
+    monkeypatch.delenv(serve_args.SHUTDOWN_ENV)
     # flashinfer present, unless a test says otherwise (see test_triton_gdn_prefill_*).
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: True)
 

@@ -35,8 +35,7 @@ from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
 from vllm_gdn_hs.launch import make_parser, parse_args
 from vllm_gdn_hs.model_info import packaged_config_path
 from vllm_gdn_hs.names import CONNECTOR_NAME
-from vllm_gdn_hs.serve_args import engine_wait_from_env
-from vllm_gdn_hs.version import RELEASES
+from vllm_gdn_hs.version import RELEASES, engine_wait_from_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")

@@ -195,14 +195,17 @@ def test_a_drain_too_short_leaves_complete_files_or_no_lock(tmp_path, sig):
 # -- the launcher ------------------------------------------------------------------------------
 
 
-def test_the_source_probe_agrees_with_the_installed_vllm():
-    """engine_wait_from_env reads vLLM's source without importing it; the module itself says
-    the same (0.33.0 and 0.34.0: yes; 0.20.1: no)."""
+def test_the_version_gate_agrees_with_the_installed_vllm():
+    """engine_wait_from_env is a version gate (0.33.0 on); the installed vLLM's own process
+    manager says the same: it reads VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS."""
+    import inspect
+
     import vllm.v1.engine.utils as utils
 
-    assert serve_args.engine_wait_from_env() == hasattr(
-        utils, "get_engine_process_shutdown_timeout"
+    reads = hasattr(utils, "get_engine_process_shutdown_timeout") and (
+        serve_args.SHUTDOWN_ENV in inspect.getsource(utils.get_engine_process_shutdown_timeout)
     )
+    assert serve_args.engine_wait_from_env() == reads
 
 
 def test_vllm_waits_the_window_the_launcher_sets(monkeypatch):
@@ -231,7 +234,8 @@ def test_shutdown_timeout_where_vllm_ignores_the_variable(monkeypatch, capsys):
 
 
 def test_launch_exports_the_window(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(serve_args.SHUTDOWN_ENV, raising=False)
+    monkeypatch.setenv(serve_args.SHUTDOWN_ENV, "")  # records the original, for the undo
+    monkeypatch.delenv(serve_args.SHUTDOWN_ENV)
     model = write_config(str(tmp_path / "hybrid"), hybrid_config_dict(8))
     extra = '{"kv_connector_extra_config": {"shutdown_drain_s": 300}}'
     argv = [model, "--dry-run", "--", "--kv-transfer-config", extra]

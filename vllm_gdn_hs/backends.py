@@ -19,7 +19,7 @@ import argparse
 import os
 from typing import Any, ClassVar
 
-from vllm_gdn_hs.config import extraction_config
+from vllm_gdn_hs.config import kv_transfer_config
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import LaunchError
 
@@ -96,9 +96,7 @@ class FileLaunch:
             raise LaunchError(
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
             ) from None
-        kv = extraction_config([], "", **extra)["kv_transfer_config"]
-        kv["kv_connector_extra_config"] = {**cls.storage_options(args), **extra}
-        return {**user, **kv}
+        return {**user, **kv_transfer_config(**cls.storage_options(args), **extra)}
 
 
 class FP8Launch(FileLaunch):

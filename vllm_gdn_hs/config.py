@@ -106,27 +106,34 @@ def request_params(raw: object) -> RequestParams:
         raise ValueError(problems) from None
 
 
+def speculative_config(layer_ids: list[int]) -> dict:
+    """The ``extract_hidden_states`` speculative config, as speculators asks for it: it
+    carries only the layer ids."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def kv_transfer_config(connector: str | None = None, **extra) -> dict:
+    """The KV transfer config of ``connector`` (default ours) with its
+    ``kv_connector_extra_config``."""
+    return {
+        "kv_connector": connector or CONNECTOR_NAME,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": extra,
+    }
+
+
 def extraction_config(
     layer_ids: list[int], storage: str, connector: str | None = None, **options
 ) -> dict:
-    """The engine settings for hidden-state extraction, as speculators asks for it: the
-    ``extract_hidden_states`` speculative config (it carries only the layer ids) and the KV
-    transfer config of ``connector`` (default ours) writing to ``storage``, with connector
-    ``options``. Keyword arguments for ``LLM(...)``/``EngineArgs``; the launcher passes the
-    same two as JSON to ``vllm serve``."""
+    """Both halves, as keyword arguments for ``LLM(...)``/``EngineArgs``: the layer ids, and
+    ``connector`` writing to ``storage`` with connector ``options``."""
     return {
-        "speculative_config": {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {
-                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}
-            },
-        },
-        "kv_transfer_config": {
-            "kv_connector": connector or CONNECTOR_NAME,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage, **options},
-        },
+        "speculative_config": speculative_config(layer_ids),
+        "kv_transfer_config": kv_transfer_config(connector, shared_storage_path=storage, **options),
     }
 
 

@@ -23,9 +23,10 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 
-from vllm_gdn_hs.backends import BACKENDS
-from vllm_gdn_hs.config import extraction_config
+from vllm_gdn_hs.backends import BACKENDS, FileLaunch
+from vllm_gdn_hs.config import speculative_config
 from vllm_gdn_hs.model_info import (
     ModelInfo,
     default_layer_ids,
@@ -158,44 +159,56 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     return ids
 
 
-def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
-    """The ``vllm serve`` command for ``args`` (from :func:`parse_args`); runs nothing."""
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the launcher runs: the ``vllm serve`` command, the environment it adds, and the
+    two configs the command carries."""
+
+    command: list[str]
+    env: dict[str, str]
+    speculative_config: dict
+    kv_transfer_config: dict
+
+
+def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
     backend = BACKENDS.get(args.hidden_states_backend)
     if backend is None:
         raise LaunchError(
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
             f"vllm-gdn-hs ships {', '.join(repr(b) for b in BACKENDS)}"
         )
-    from vllm_gdn_hs.patch import runtime_patches
-    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
+    return backend
 
-    try:
-        check_vllm()
-        if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone
-            runtime_patches()
-    except UnsupportedVllmError as e:
-        raise LaunchError(str(e)) from None
+
+def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> LaunchPlan:
+    """The plan for ``args`` (from :func:`parse_args`), from the arguments and the model's
+    config alone: nothing is probed or made (:func:`preflight` does that)."""
+    backend = backend_of(args)
     if info is None:
         info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
     check_vllm_args(vllm_args, info)
-    speculative_config = extraction_config(ids, args.hidden_states_path)["speculative_config"]
-    kv_transfer_config = backend.build_kv_transfer_config(args, user_kv)
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        args.model,
-        "--speculative_config",
-        json.dumps(speculative_config),
-        "--kv_transfer_config",
-        json.dumps(kv_transfer_config),
+    spec = speculative_config(ids)
+    kv = backend.build_kv_transfer_config(args, user_kv)
+    drain_s = drain_seconds(kv)
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+        "--speculative_config", json.dumps(spec),
+        "--kv_transfer_config", json.dumps(kv),
         *extra_vllm_args(vllm_args, info),
-        *shutdown_args(vllm_args, drain_seconds(kv_transfer_config)),
+        *shutdown_args(vllm_args, drain_s),
         *vllm_args,
-    ]
+    ]  # fmt: skip
+    env = shutdown_env(drain_s)  # time at shutdown for the answered requests' files
+    if is_untested():  # the printed command runs elsewhere too
+        env[ALLOW_UNTESTED] = "1"
+    return LaunchPlan(command, env, spec, kv)
+
+
+def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
+    """The ``vllm serve`` command of :func:`build_plan`."""
+    return build_plan(args, info).command
 
 
 def gpu_visible() -> bool:
@@ -206,8 +219,18 @@ def gpu_visible() -> bool:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What would make ``vllm serve`` fail after minutes, checked before it starts: unless
-    --dry-run, a visible GPU; then the storage (with --dry-run, without making anything)."""
+    """Every probe, in one step, before ``vllm serve`` would fail after minutes: the vLLM
+    release (on an untested one, every method the runtime patches wrap); unless --dry-run, a
+    visible GPU; then the storage (with --dry-run, without making anything)."""
+    from vllm_gdn_hs.patch import runtime_patches
+    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
+
+    try:
+        check_vllm()
+        if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone
+            runtime_patches()
+    except UnsupportedVllmError as e:
+        raise LaunchError(str(e)) from None
     if not args.dry_run and not gpu_visible():
         cuda = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise LaunchError(
@@ -216,7 +239,7 @@ def preflight(args: argparse.Namespace) -> None:
             + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the "
             "command"
         )
-    BACKENDS[args.hidden_states_backend].check_storage(args)
+    backend_of(args).check_storage(args)
 
 
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
@@ -226,21 +249,17 @@ def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
     except SystemExit as e:  # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else 2
     try:
-        cmd = build_command(args)
+        plan = build_plan(args)
         preflight(args)
     except ValueError as e:  # LaunchError, ModelConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    kv = json.loads(cmd[cmd.index("--kv_transfer_config") + 1])
-    env = shutdown_env(drain_seconds(kv))
-    if is_untested():  # the printed command runs elsewhere too
-        env[ALLOW_UNTESTED] = "1"
     print("Would run:" if args.dry_run else "Running command:")
-    for key, value in env.items():  # time at shutdown for the answered requests' files
+    for key, value in plan.env.items():
         print(f"export {key}={shlex.quote(value)}")
-    print(shlex.join(cmd), flush=True)
+    print(shlex.join(plan.command), flush=True)
     if args.dry_run:
         return 0
-    os.environ.update(env)
-    os.execvp(cmd[0], cmd)
+    os.environ.update(plan.env)
+    os.execvp(plan.command[0], plan.command)
     return 0  # not reached

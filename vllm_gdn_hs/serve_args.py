@@ -12,6 +12,7 @@ import sys
 
 from vllm_gdn_hs.model_info import ModelInfo
 from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.version import engine_wait_from_env
 
 
 class LaunchError(ValueError):
@@ -170,22 +171,6 @@ def shutdown_window(drain_s: float) -> int:
     """Seconds an engine core process needs between SIGTERM and exit: ``drain_s`` for the
     running requests to finish, ``drain_s`` for their files, and vLLM's teardown."""
     return 2 * math.ceil(drain_s) + TEARDOWN_S
-
-
-def engine_wait_from_env() -> bool:
-    """Whether this vLLM waits ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` for its engine core
-    processes with ``--shutdown-timeout 0`` (``get_engine_process_shutdown_timeout``, read from
-    its source without importing vLLM, which would take seconds)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    path = os.path.join(spec.submodule_search_locations[0], "v1", "engine", "utils.py")
-    try:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-    except OSError:
-        return False
-    return "def get_engine_process_shutdown_timeout" in source and SHUTDOWN_ENV in source
 
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:

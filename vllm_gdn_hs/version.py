@@ -47,6 +47,11 @@ MODEL_RUNNER_V2_FROM = "0.33.0"
 # VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine core; 0.20.1 does not (serve_args.py).
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
+# From this release vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine
+# core processes (v1/engine/utils.py's get_engine_process_shutdown_timeout reads it; 0.30.0 to
+# 0.32.0 have the function without the variable): before, the launcher passes
+# --shutdown-timeout instead.
+ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
 # A vLLM newer than the newest release in RELEASES is untested: refused by default, run with
 # this variable set to 1 (patch/ then probes that every vLLM method it wraps is still there,
 # with the newest release's patches, and refuses naming the first one that is not).
@@ -123,6 +128,12 @@ def runner_in_use() -> str:
     if runs_model_runner_v2():
         return "V1 (the plugin's default here; VLLM_USE_V2_MODEL_RUNNER=1 runs Model Runner V2)"
     return "V1 (the only runner the plugin supports on this vLLM)"
+
+
+def engine_wait_from_env(version: str | None = None) -> bool:
+    """Whether this release (default: installed) waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for
+    its engine core processes at shutdown."""
+    return _release(version) >= Version(ENGINE_WAIT_FROM_ENV_FROM)
 
 
 def describe_releases() -> str:
