@@ -30,7 +30,8 @@ MODEL = "Qwen/Qwen3.6-27B"
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused
 FIX = (
     f"pass the model's folder instead, or download its config.json first (`hf download {MODEL} "
-    "config.json --local-dir DIR`, then pass DIR; enough for --dry-run and doctor)"
+    "config.json --local-dir DIR`, then pass DIR; enough for --dry-run and doctor); offline, "
+    f"`vllm-gdn-hs config {MODEL} DIR` writes the packaged one"
 )
 
 
