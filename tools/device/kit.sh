@@ -32,7 +32,8 @@ MAJOR=${BASH_REMATCH[1]} MINOR=${BASH_REMATCH[2]}
 # gpu-machine-packages.txt) nor in the bundle. fla: transformers' fast GDN kernels
 # (benchmarks/hf_worker.py; 0.6.0 is what ran, the newest on the index, needs transformers>=5.6.2).
 # hs-connectors: the plugin's own dependency (fp8 format, mooncake reader). speculators:
-# tests/run_gpu_suite.sh unpacks it for speculators' client, tests/gpu/pipeline.py runs its CLI.
+# tools/gpu_runs/run_gpu_suite.sh unpacks it for speculators' client, tools/gpu_runs/pipeline.py
+# runs its CLI.
 # quack-kernels 0.6.5 (imported by vLLM 0.34.0's kernel warm-up) travels in the bundle.
 WHL=(flash-linear-attention==0.6.0 fla-core==0.6.0 hs-connectors==0.9.0 speculators==0.9.0)
 # What speculators' CLI needs besides (datasets: pipeline.py imports it too); each goes into .whl
