@@ -23,10 +23,10 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 
 import torch
+from records import merge_results
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import request_rows, staging
@@ -36,9 +36,6 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from records import merge_results  # noqa: E402
 
 
 def engine_step(x: torch.Tensor, ops: int) -> None:

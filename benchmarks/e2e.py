@@ -27,13 +27,10 @@ import time
 import urllib.request
 from datetime import datetime, timezone
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from host import git_commit, nvidia_smi, versions  # noqa: E402
-from logparse import gdn_backend_info, kv_cache_info, strip_ansi, warmup_info  # noqa: E402
-from records import merge_results  # noqa: E402
-from workloads import (  # noqa: E402
+from host import git_commit, nvidia_smi, versions
+from logparse import gdn_backend_info, kv_cache_info, strip_ansi, warmup_info
+from records import merge_results
+from workloads import (
     DEFAULT_LAYERS,
     WARMUP_PROMPTS,
     make_workload,

@@ -9,8 +9,10 @@ which bench.py measures on the GPU); stock
 (ExampleHiddenStatesConnector with HMA forced on; on 0.20.1 it fails to start, and the error is
 recorded).
 
-    python benchmarks/kv_capacity.py --shape 27b --max-model-len 8448,32768,262144 \
-        --results benchmarks/results/kv_capacity.json
+    PYTHONPATH=tests python benchmarks/kv_capacity.py --shape 27b \
+        --max-model-len 8448,32768,262144 --results benchmarks/results/kv_capacity.json
+
+(from the repository root: tests/ on PYTHONPATH for tests/cpu_engine.py, the CPU tests' engine).
 """
 
 from __future__ import annotations
@@ -18,16 +20,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-# tests/cpu_engine.py: vLLM's CpuPlatform, the CPU tests' engine (test code, not in the package)
-sys.path.insert(1, os.path.join(os.path.dirname(HERE), "tests"))
-
-import cpu_engine  # noqa: E402  (first: installs vLLM's CpuPlatform)
+# tests/cpu_engine.py: vLLM's CpuPlatform, the CPU tests' engine (test code, not in the
+# package), through PYTHONPATH (the usage line above). First: it installs the platform.
+try:
+    import cpu_engine
+except ModuleNotFoundError as e:
+    sys.exit(f"{e}: run with PYTHONPATH=tests from the repository root")
 from records import merge_results  # noqa: E402
 from workloads import DEFAULT_LAYERS, model_config, write_model_dir  # noqa: E402
 

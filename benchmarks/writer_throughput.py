@@ -15,10 +15,10 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 
 import torch
+from records import merge_results
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import staging
@@ -29,9 +29,6 @@ from vllm_gdn_hs.connector.metadata import (
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.files import wait_for_file
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from records import merge_results  # noqa: E402
 
 _row_norms = staging.row_norms  # the real one; run() stands a precomputed copy in for it
 

@@ -31,8 +31,6 @@ import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
 
 GPU = torch.cuda.is_available()
 

@@ -12,7 +12,7 @@ executors run after building the model (CpuPlatform skips it).
 Import this module before anything else from vLLM (``tests/conftest.py`` does, through
 ``tests/harness.py``), and never in a process that runs vLLM on a GPU: it switches the
 process's platform. Test code, not part of the package: used by the CPU tests and by
-``benchmarks/kv_capacity.py`` (which puts tests/ on its path).
+``benchmarks/kv_capacity.py`` (run with tests/ on PYTHONPATH).
 """
 
 from __future__ import annotations

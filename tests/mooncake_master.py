@@ -12,12 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
-
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-from mooncake_side import (  # noqa: E402, F401  (the bench's, shared)
+from mooncake_side import (  # noqa: F401  (benchmarks/mooncake_side.py, shared: pytest's pythonpath)
     HOST,
     free_port,
     master_binary,

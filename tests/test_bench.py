@@ -10,12 +10,13 @@ plain vLLM on the V1 model runner.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
 import time
 
+import bench  # benchmarks/ (pytest's pythonpath, pyproject.toml)
+import logparse
 import pytest
+import records
 import torch
 
 from vllm_gdn_hs.config import HiddenStatesConfig
@@ -25,11 +26,6 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import bench  # noqa: E402
-import logparse  # noqa: E402
-import records  # noqa: E402
 
 
 def test_writer_lines_parsed_from_the_log(tmp_path, caplog):

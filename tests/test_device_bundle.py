@@ -1,4 +1,4 @@
-"""tests/device_bundle.py, the GPU machine's vLLM bundle: which packages travel for a machine
+"""tools/device/bundle.py, the GPU machine's vLLM bundle: which packages travel for a machine
 inventory and a requirement set, and how the bundle is cut into parts. No network: small fake
 wheels in tmp_path."""
 
@@ -8,14 +8,11 @@ import hashlib
 import io
 import json
 import os
-import sys
 import tarfile
 import zipfile
 
+import bundle as db  # tools/device/bundle.py (pytest's pythonpath: pyproject.toml)
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import device_bundle as db  # noqa: E402
 
 ENV = db.target_env("3.12")
 
@@ -194,7 +191,7 @@ def test_trim_drops_unused_kernels_and_their_record_lines(tmp_path):
 
 
 def test_calls_carry_one_part_each_and_install_on_the_last():
-    out = os.path.join(os.path.dirname(db.HERE), ".devbundle33")
+    out = os.path.join(db.REPO, ".devbundle33")
     env = db.env_line({"torch": {}}, {"nvidia-cudnn-cu13": ()})
     assert env.endswith("PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1")
     assert "PYTORCH_SKIP" not in db.env_line({}, {"nvidia-cudnn-cu13": ()})

@@ -10,15 +10,11 @@ No timing is asserted.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
+import e2e  # benchmarks/e2e.py (pytest's pythonpath, pyproject.toml)
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import e2e  # noqa: E402
-import records  # noqa: E402
+import records
 
 # A stand-in server: /health, and /v1/completions writing one file per request (its lock
 # gone at once) under the directory given, answering as vLLM with our connector does.

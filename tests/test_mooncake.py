@@ -534,7 +534,6 @@ def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
     require_mooncake()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from mooncake_side import LocalStore
 
     local = LocalStore(str(tmp_path / "master.log"), segment_gib=1 / 16, fp8=fp8)

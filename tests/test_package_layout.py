@@ -1,17 +1,25 @@
 """The package holds the product only, in modules small enough to read, with no import circle:
 no module imports the tests' helpers, none is over 350 lines, the modules' imports (those
 inside functions too) form no cycle, the package's face only hands names on, and the
-connector's scheduler side and writer know no storage backend by name."""
+connector's scheduler side and writer know no storage backend by name. Beside the package:
+tests/, benchmarks/ and tools/ import their helpers by name (pytest's pythonpath option in
+pyproject.toml, PYTHONPATH for scripts), never by editing Python's import path, and tests/
+holds tests and their helpers only: the device tooling lives in tools/."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "vllm_gdn_hs"
-TEST_HELPERS = {"tests", "harness", "cpu_engine", "tiny_models", "conftest", "mooncake_master"}
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "vllm_gdn_hs"
+TEST_HELPERS = {
+    "tests", "harness", "cpu_engine", "tiny_models", "conftest", "mooncake_master", "live_bytes",
+    "launched",
+}  # fmt: skip
 MAX_LINES = 350
 
 
@@ -101,3 +109,44 @@ def mods_below(mods: dict[str, pathlib.Path]) -> set[str]:
 def test_no_backend_named_outside_its_module(module):
     text = (PACKAGE / module).read_text()
     assert "mooncake" not in text.lower() and "self.keys" not in text
+
+
+# An edit of the import path: insert/append/extend/remove, an item or slice, += or =.
+PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove)\b|\[|\+=|=(?!=))")
+# tests/gpu: the GPU tests and the two pytest helpers they load; tests/: one shell script, the
+# release matrix (CPU). The drivers run on the GPU machine live in tools/gpu_runs, the kit
+# for that machine in tools/device.
+GPU_TEST_HELPERS = {"gpu_report.py", "launched.py"}
+TESTS_SHELL_SCRIPTS = {"matrix.sh"}
+
+
+def test_no_import_path_edits_in_tests_benchmarks_or_tools():
+    found = []
+    for folder in ("tests", "benchmarks", "tools"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if PATH_EDIT.search(line):
+                    found.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not found, (
+        "import path edited (name the folder in pyproject.toml's pythonpath for pytest, or in "
+        "PYTHONPATH where a script is run):\n" + "\n".join(found)
+    )
+
+
+def test_no_device_tooling_in_tests():
+    tests = REPO / "tests"
+    device = sorted(str(p.relative_to(REPO)) for p in tests.rglob("device_*") if p.is_file())
+    assert not device, f"device tooling belongs in tools/device: {device}"
+    drivers = sorted(
+        p.name
+        for p in (tests / "gpu").iterdir()
+        if p.is_file()
+        and p.suffix in (".py", ".sh")
+        and not p.name.startswith("test_")
+        and p.name not in GPU_TEST_HELPERS
+    )
+    assert not drivers, f"GPU drivers that are not pytest files belong in tools/gpu_runs: {drivers}"
+    scripts = sorted(str(p.relative_to(REPO)) for p in tests.rglob("*.sh"))
+    assert set(scripts) <= {f"tests/{n}" for n in TESTS_SHELL_SCRIPTS}, (
+        f"shell scripts in tests/ other than {sorted(TESTS_SHELL_SCRIPTS)}: {scripts}"
+    )

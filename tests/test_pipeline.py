@@ -1,5 +1,5 @@
 """Run: python -m pytest tests/test_pipeline.py -q (CPU, no network; speculators and hs-connectors
-0.9.0): the CPU parts of tests/gpu/pipeline.py.
+0.9.0): the CPU parts of tools/gpu_runs/pipeline.py.
 
 speculators' real prepare-data step (its CLI, in this process) renders the tiny dataset on
 vLLM's own GPU-less render server (``vllm launch render``, started here on vLLM's CPU
@@ -21,18 +21,17 @@ import sys
 import time
 import urllib.request
 
+import launched  # tests/gpu/launched.py (pytest's pythonpath, pyproject.toml)
+import pipeline  # tools/gpu_runs/pipeline.py (the same)
 import pytest
+import soak
+from tiny_models import hybrid_config_dict, write_config
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-import launched  # noqa: E402  (tests/gpu/launched.py)
-import pipeline  # noqa: E402  (tests/gpu/pipeline.py)
-import soak  # noqa: E402
-from tiny_models import hybrid_config_dict, write_config  # noqa: E402
-
+TESTS = os.path.dirname(os.path.abspath(__file__))
 CONVERSATIONS = 40
-RENDER = f"""
+# Run with tests/ on PYTHONPATH (render_server below).
+RENDER = """
 import sys
-sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import cpu_engine  # tests/cpu_engine.py: vLLM's CPU platform, no GPU here
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", "launch", "render", *sys.argv[1:]]
@@ -59,8 +58,10 @@ def render_server(model_dir, tmp_path_factory):
     log = open(log_path, "w")
     cmd = [sys.executable, "-c", RENDER, model_dir, "--port", str(port), "--host", "127.0.0.1"]
     cmd += ["--language-model-only"]
+    env = pipeline.child_env()
+    env["PYTHONPATH"] = os.pathsep.join([TESTS, env["PYTHONPATH"]])
     proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=pipeline.child_env(), start_new_session=True
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     try:
         yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}

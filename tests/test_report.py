@@ -11,15 +11,13 @@ replaced, not appended to; records older than the status field and files_ready_s
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
+import records as bench_records  # benchmarks/ (pytest's pythonpath, pyproject.toml)
+import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results", "h200.json")
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-import records as bench_records  # noqa: E402
-import report  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Run: python -m pytest tests/test_soak.py -q (CPU, no network): CPU parts of tests/gpu/soak.py.
+"""Run: python -m pytest tests/test_soak.py -q (CPU, no network): CPU parts of
+tools/gpu_runs/soak.py.
 
 The tokenizer (loaded by transformers and rendered by vLLM's own chat renderer), the request
 plan, the containment snapshot, ``vllm-gdn-hs check``'s parsing and the verdict; and the
@@ -13,16 +14,13 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import time
 
+import launched  # tests/gpu/launched.py (pytest's pythonpath, pyproject.toml)
 import pytest
+import soak  # tools/gpu_runs/soak.py (the same)
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
-import launched  # noqa: E402  (tests/gpu/launched.py)
-import soak  # noqa: E402  (tests/gpu/soak.py)
 from tiny_models import hybrid_config_dict, write_config
 
 from vllm_gdn_hs import files

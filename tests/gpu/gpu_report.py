@@ -1,6 +1,6 @@
 """pytest plugin for the GPU suite: print a failure's traceback the moment it happens,
 so a run cut short by its time limit still shows why a test failed.
-Loaded by tests/run_gpu_suite.sh with ``-p gpu_report``."""
+Loaded by tools/gpu_runs/run_gpu_suite.sh with ``-p gpu_report``."""
 
 
 def pytest_runtest_logreport(report):

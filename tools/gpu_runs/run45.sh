@@ -19,7 +19,7 @@ suite() {  # OUT folder, then the pytest node ids
     local out=$SESSION/$1; shift
     log "suite $(basename "$out") start"
     SITE=/tmp/site INSTALL=0 RUN_DEMO=0 SUITE_TIMEOUT=${T:-600} OUT="$out" \
-        bash tests/run_gpu_suite.sh "$@"
+        bash tools/gpu_runs/run_gpu_suite.sh "$@"
     log "suite $(basename "$out") end"
 }
 T=540 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer \

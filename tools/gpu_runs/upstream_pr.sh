@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # The upstream pull request (patches/upstream/) on the GPU, on vLLM 0.34.0 unpacked under
-# ${SITE:-/tmp/site} (the device bundle, as tests/run_gpu_suite.sh). Needs no network and does
-# not install this project: vLLM runs with its plugins off (VLLM_PLUGINS=), so what runs is
-# stock vLLM plus the patch; this checkout is on PYTHONPATH only for the test models and the
-# HF reference (tests/tiny_models.py, vllm_gdn_hs.reference).
+# ${SITE:-/tmp/site} (the device bundle, as tools/gpu_runs/run_gpu_suite.sh). Needs no network
+# and does not install this project: vLLM runs with its plugins off (VLLM_PLUGINS=), so what
+# runs is stock vLLM plus the patch; this checkout, tests/ and benchmarks/ are on PYTHONPATH
+# only for the test models, the HF reference and the workloads (tests/tiny_models.py,
+# vllm_gdn_hs.reference, benchmarks/workloads.py).
 #   1. copies the installed vllm package to $PR_SITE and applies the patch there (git apply,
 #      or patch -p1 where git is missing; no fuzz either way);
 #   2. runs the unit tests the patch adds (CPU tests, run here against the patched copy);
-#   3. accuracy (tests/gpu/upstream_pr.py accuracy): tiny hybrid + dense, eager + CUDA graphs
+#   3. accuracy (tools/gpu_runs/upstream_pr.py accuracy): tiny hybrid + dense, eager + CUDA graphs
 #      (UPSTREAM_PR_MODES=eager or cudagraph, UPSTREAM_PR_MODELS=hybrid or dense for one),
 #      against HF fp32/bf16 and against ExampleHiddenStatesConnector's files;
 #   4. unless UPSTREAM_PR_BENCH=0: 27B shape, KV cache tokens + prompt tok/s of plain vLLM,
 #      the PR and ExampleHiddenStatesConnector, CUDA graphs (UPSTREAM_PR_WORKLOADS,
 #      UPSTREAM_PR_VARIANTS, UPSTREAM_PR_VARIANT_TIMEOUT: seconds per variant,
 #      UPSTREAM_PR_MAX_NUM_SEQS: 256 by default);
-#   5. only when UPSTREAM_PR_PARTS names tp, on two GPUs (tests/gpu/upstream_pr.py tp): the
+#   5. only when UPSTREAM_PR_PARTS names tp, on two GPUs (tools/gpu_runs/upstream_pr.py tp): the
 #      tiny hybrid at TP=2 against TP=1, each against HF fp32 (TP_TIMEOUT, seconds).
 # UPSTREAM_PR_PARTS (default unit,accuracy,bench) picks steps 2-5, e.g. to run the bench in a
 # second call on the same machine. Writes $OUT/upstream-pr.json (the summary) and at most 7
 # logs. Usage:
-#   OUT=$OUT bash tests/gpu/upstream_pr.sh
+#   OUT=$OUT bash tools/gpu_runs/upstream_pr.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -80,7 +81,7 @@ fi
 
 if [[ $PARTS == *,accuracy,* ]]; then
     step "3. accuracy: tiny hybrid and dense, eager and CUDA graphs"
-    timeout "${ACCURACY_TIMEOUT:-330}" python3 tests/gpu/upstream_pr.py accuracy \
+    timeout "${ACCURACY_TIMEOUT:-330}" python3 tools/gpu_runs/upstream_pr.py accuracy \
         "$OUT/accuracy.json" >"$OUT/upstream-pr-accuracy.log" 2>&1
     ACC=$?
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-accuracy.log" | cut -c1-400
@@ -89,14 +90,14 @@ fi
 
 if [[ $PARTS == *,bench,* ]]; then
     step "4. 27B shape: KV cache and throughput"
-    python3 tests/gpu/upstream_pr.py bench "$OUT/bench.json" >"$OUT/upstream-pr-bench.log" 2>&1
+    python3 tools/gpu_runs/upstream_pr.py bench "$OUT/bench.json" >"$OUT/upstream-pr-bench.log" 2>&1
     BENCH=$?
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-bench.log" | cut -c1-400
 fi
 
 if [[ $PARTS == *,tp,* ]]; then
     step "5. tensor parallelism: TP=2 against TP=1, two GPUs"
-    timeout "${TP_TIMEOUT:-600}" python3 tests/gpu/upstream_pr.py tp "$OUT/tp.json" \
+    timeout "${TP_TIMEOUT:-600}" python3 tools/gpu_runs/upstream_pr.py tp "$OUT/tp.json" \
         >"$OUT/upstream-pr-tp.log" 2>&1
     TP=$?
     grep '^\[upstream-pr\]' "$OUT/upstream-pr-tp.log" | cut -c1-400

@@ -3,8 +3,8 @@
 # ends, taking whatever runs with it, so: `start` runs a command file in the background
 # (setsid: it outlives the call) in the session folder, and `poll` (called back to back)
 # waits up to N s for it, prints its progress and packs the folder into $OUT/session.tgz.
-#   bash tests/device_session.sh start COMMANDS.sh   # in the call that installs the bundle
-#   bash tests/device_session.sh poll 480            # N below the call's limit, then again
+#   bash tools/device/session.sh start COMMANDS.sh   # in the call that installs the bundle
+#   bash tools/device/session.sh poll 480            # N below the call's limit, then again
 # COMMANDS.sh runs with bash, in the checkout, with SESSION set: write results under it
 # (e.g. bench.py --results "$SESSION/h200.json" --log-dir "$SESSION/logs").
 set -uo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build a vLLM bundle for the offline GPU machine, for any release 0.20.1-0.34.0.
 
-    python3 tests/device_bundle.py 0.33.0 .devbundle33 [--python 3.12]
+    python3 tools/device/bundle.py 0.33.0 .devbundle33 [--python 3.12]
 
 The project's copy of ../shared/device/build_vllm_bundle.py (see the README beside it), extended
 to releases that pin another torch than the machine's (0.27+). It downloads the vLLM wheel,
@@ -45,7 +45,8 @@ except ImportError:  # pip always carries a copy
     from pip._vendor.packaging.version import Version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MACHINE_DIR = os.path.join(HERE, "..", "..", "shared", "device")
+REPO = os.path.dirname(os.path.dirname(HERE))  # the repository root: tools/device/..
+MACHINE_DIR = os.path.join(REPO, "..", "shared", "device")
 PART_SIZE = 60_000_000
 SITE = "/tmp/site"
 
@@ -270,7 +271,7 @@ def calls(out_dir, parts, env):
     last. Carried paths are relative to the repository root, where the device runs commands.
     Each call makes the folder itself, so calls sent together survive a refused first start
     (only its part is lost); the last call's checksum check names any part that is missing."""
-    d = os.path.relpath(os.path.abspath(out_dir), os.path.dirname(HERE))
+    d = os.path.relpath(os.path.abspath(out_dir), REPO)
     out = []
     for i, p in enumerate(parts):
         carry = [f"{d}/{p}"]

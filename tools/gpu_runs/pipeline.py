@@ -1,5 +1,7 @@
-"""Run: python3 tests/gpu/pipeline.py --out DIR [--backend file|fp8|both] [--steps N] (CUDA GPU,
-vLLM, the plugin installed, speculators 0.9.0 + hs-connectors 0.9.0, transformers).
+"""Run: PYTHONPATH=tests/gpu:tests python3 tools/gpu_runs/pipeline.py --out DIR
+[--backend file|fp8|both] [--steps N] (CUDA GPU, vLLM, the plugin installed, speculators 0.9.0
++ hs-connectors 0.9.0, transformers; from the repository root, with vLLM's folder first on
+PYTHONPATH on the offline machine, as run_gpu_suite.sh puts it).
 
 speculators' real pipeline against ``vllm-gdn-hs launch`` on a tiny Qwen3.5 hybrid (built here
 with ``tests/tiny_models.py``; a byte-level tokenizer built with ``tokenizers``, a chat template
@@ -43,13 +45,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.append(_p)
+try:
+    import launched  # tests/gpu/launched.py, through PYTHONPATH (the usage line above)
+except ModuleNotFoundError as e:
+    sys.exit(f"{e}: run with PYTHONPATH=tests/gpu:tests from the repository root")
 
-import launched  # noqa: E402  (tests/gpu/launched.py)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LAYERS = [1, 3, 6]  # the launcher appends N = 8; the trainer gets these three
 NUM_LAYERS = 8

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The offline GPU machine's kit, built in one command from the repository root:
-#   bash tests/device_kit.sh [VLLM_RELEASE]         (default 0.34.0)
+#   bash tools/device/kit.sh [VLLM_RELEASE]         (default 0.34.0)
 # commit.txt      `git rev-parse --short HEAD` (the device's own git HEAD may be stale)
-# .devbundleNN/   vLLM and what it needs there (tests/device_bundle.py): part-aa.. of at most
+# .devbundleNN/   vLLM and what it needs there (tools/device/bundle.py): part-aa.. of at most
 #                 60,000,000 bytes, MANIFEST.json, SHA256SUMS; NN = major/minor (0.34.0: 34)
 # .whl/           pure-Python wheels the GPU tests and benchmarks import there, which neither
 #                 the machine nor the bundle has (WHL below)
@@ -14,7 +14,7 @@
 # machine's) is looked for as python3.12, under pyenv and through uv; pip and packaging go
 # into a venv under /tmp (DEVICE_KIT_VENV, default /tmp/device-kit-venv312).
 set -eu -o pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 START=$SECONDS
 REL=${1:-0.34.0}
 STEP="checking the arguments"
@@ -32,7 +32,8 @@ MAJOR=${BASH_REMATCH[1]} MINOR=${BASH_REMATCH[2]}
 # gpu-machine-packages.txt) nor in the bundle. fla: transformers' fast GDN kernels
 # (benchmarks/hf_worker.py; 0.6.0 is what ran, the newest on the index, needs transformers>=5.6.2).
 # hs-connectors: the plugin's own dependency (fp8 format, mooncake reader). speculators:
-# tests/run_gpu_suite.sh unpacks it for speculators' client, tests/gpu/pipeline.py runs its CLI.
+# tools/gpu_runs/run_gpu_suite.sh unpacks it for speculators' client, tools/gpu_runs/pipeline.py
+# runs its CLI.
 # quack-kernels 0.6.5 (imported by vLLM 0.34.0's kernel warm-up) travels in the bundle.
 WHL=(flash-linear-attention==0.6.0 fla-core==0.6.0 hs-connectors==0.9.0 speculators==0.9.0)
 # What speculators' CLI needs besides (datasets: pipeline.py imports it too); each goes into .whl
@@ -53,12 +54,11 @@ DEVICE_IMPORTS=(
 LIMIT=$((64 * 1024 * 1024)) # one device call: the working tree plus the carried paths
 PART_MAX=60000000
 
-# Small helpers in Python (stdlib, and packaging through tests/device_bundle.py's import).
+# Small helpers in Python (stdlib, and packaging through tools/device/bundle.py's import).
 KITPY=$(
     cat <<'EOF'
 import json, os, sys, zipfile
-sys.path.insert(0, "tests")
-from device_bundle import MACHINE_DIR, Requirement, active, load_machine, norm, target_env
+from bundle import MACHINE_DIR, Requirement, active, load_machine, norm, target_env
 
 def wheels(d):
     return sorted(f for f in os.listdir(d) if f.endswith(".whl")) if os.path.isdir(d) else []
@@ -123,7 +123,7 @@ elif cmd == "check":  # BUNDLE DIR... -- DIST...: does every carried wheel find 
     print(f"every carried wheel's requirements are met ({len(carried)} wheels)")
 EOF
 )
-kitpy() { python3 -c "$KITPY" "$@"; }
+kitpy() { PYTHONPATH=tools/device${PYTHONPATH:+:$PYTHONPATH} python3 -c "$KITPY" "$@"; }
 
 STEP="finding Python 3.12 and pip"
 VENV=${DEVICE_KIT_VENV:-/tmp/device-kit-venv312}
@@ -206,7 +206,7 @@ if git check-ignore -q commit.txt; then die "commit.txt is git-ignored: the devi
 git diff --quiet HEAD -- || echo "  note: tracked files differ from HEAD; commit.txt names HEAD ($(cat commit.txt))"
 echo "  commit.txt: $(cat commit.txt)"
 
-STEP="building the vLLM bundle $B (tests/device_bundle.py)"
+STEP="building the vLLM bundle $B (tools/device/bundle.py)"
 bundle_ok() {
     [ -f "$B/SHA256SUMS" ] && [ -f "$B/MANIFEST.json" ] || return 1
     [ "$(cd "$B" && ls -1 part-* 2>/dev/null)" = "$(awk '{print $2}' "$B/SHA256SUMS" | sort)" ] || return 1
@@ -221,9 +221,9 @@ else
     echo "  $B: building (downloads about 1.5 GB) ..."
     rm -f "$B/SHA256SUMS" # an interrupted build never looks complete
     # its own list of calls is left out: the kit's, below, adds .whlmc and .whl
-    "$PY" tests/device_bundle.py "$REL" "$B" 2>&1 | grep -v "is ignored" |
+    "$PY" tools/device/bundle.py "$REL" "$B" 2>&1 | grep -v "is ignored" |
         sed -e '/device calls, back to back/,$d' -e '/^$/d' -e 's/^/    /' ||
-        die "tests/device_bundle.py $REL $B failed (its message above)"
+        die "tools/device/bundle.py $REL $B failed (its message above)"
     bundle_ok || die "$B does not verify after the build"
 fi
 for p in "$B"/part-*; do

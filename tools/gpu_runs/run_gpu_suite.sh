@@ -4,9 +4,9 @@
 # vLLM release, e.g. SITE=/tmp/site26 for 0.26.0). Installs this checkout there
 # (vLLM finds plugins only by entry point), then runs the GPU tests
 # and the demo, writing logs and JSON figures to ${OUT:-./gpu-out}.
-#   bash tests/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
+#   bash tools/gpu_runs/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu-out}"
 mkdir -p "$OUT"
 SITE="${SITE:-/tmp/site}"

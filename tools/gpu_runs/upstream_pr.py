@@ -1,12 +1,13 @@
 """The upstream pull request (patches/upstream/) on the GPU, on a patched copy of vLLM 0.34.0.
 
-Run by tests/gpu/upstream_pr.sh, which applies the patch to a copy of the installed vLLM and
-puts it first on PYTHONPATH; vLLM plugins are off (VLLM_PLUGINS=), so what runs is stock vLLM
+Run by tools/gpu_runs/upstream_pr.sh, which applies the patch to a copy of the installed vLLM and
+puts it first on PYTHONPATH (this checkout, tests/ and benchmarks/ after it, for the test models
+and the workloads); vLLM plugins are off (VLLM_PLUGINS=), so what runs is stock vLLM
 plus the patch, with the PR's own AuxHiddenStatesConnector.
 
-    python tests/gpu/upstream_pr.py accuracy OUT.json   # tiny hybrid + dense, eager + graphs
-    python tests/gpu/upstream_pr.py bench OUT.json      # 27B shape: plain, example, aux
-    python tests/gpu/upstream_pr.py tp OUT.json         # two GPUs: TP=2 against TP=1
+    python tools/gpu_runs/upstream_pr.py accuracy OUT.json   # tiny hybrid + dense, eager + graphs
+    python tools/gpu_runs/upstream_pr.py bench OUT.json      # 27B shape: plain, example, aux
+    python tools/gpu_runs/upstream_pr.py tp OUT.json         # two GPUs: TP=2 against TP=1
 
 accuracy: per model (tiny Qwen3.5 hybrid, tiny Qwen3 dense; tests/tiny_models.py), the PR's
 connector and ExampleHiddenStatesConnector, each in eager and in CUDA-graph mode, each asked as
@@ -41,9 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmarks")]
 
 AUX, EXAMPLE = "AuxHiddenStatesConnector", "ExampleHiddenStatesConnector"
 # Ascending: the order in which the model returns aux states and both connectors store them.

@@ -1,4 +1,6 @@
-"""Run: python tests/gpu/soak.py --out OUTDIR [--requests N] (CUDA GPU, vLLM, the plugin).
+"""Run: PYTHONPATH=tests/gpu:tests python tools/gpu_runs/soak.py --out OUTDIR [--requests N]
+(CUDA GPU, vLLM, the plugin; from the repository root, with vLLM's folder first on PYTHONPATH
+on the offline machine, as run_gpu_suite.sh puts it).
 
 A GPU soak with hostile clients. A tiny Qwen3.5 hybrid model with a locally built tokenizer
 is served through ``vllm-gdn-hs launch``; >= 1000 shuffled requests (speculators' prefills,
@@ -30,13 +32,14 @@ import urllib.request
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.append(REPO)
+from vllm_gdn_hs import files
 
-import launched  # noqa: E402  (tests/gpu/launched.py)
+try:
+    import launched  # tests/gpu/launched.py, through PYTHONPATH (the usage line above)
+except ModuleNotFoundError as e:
+    sys.exit(f"{e}: run with PYTHONPATH=tests/gpu:tests from the repository root")
 
-from vllm_gdn_hs import files  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 LAYERS = [1, 3, 6]  # the launcher appends N = 8
 LAYER_IDS = LAYERS + [8]
