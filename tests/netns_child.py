@@ -166,6 +166,11 @@ def trainer(a: dict) -> None:
             if time.monotonic() > setup_end:
                 raise
             time.sleep(1)
+    if "read_timeout_s" in a:  # hs-connectors waits 120 s for a key that never comes
+        import functools
+
+        store = transfer.store
+        store.get_sample = functools.partial(store.get_sample, timeout=a["read_timeout_s"])
     journal = os.path.join(a["out"], "journal.jsonl")
     done = {r["handle"] for r in _lines(journal)}
     stop_after = a.get("stop_after")  # read this many, then hang (to be killed mid-epoch)
@@ -193,8 +198,8 @@ def trainer(a: dict) -> None:
                 try:
                     got = transfer.get_generated(params)
                     break
-                except MooncakeIntegrityError as e:
-                    got, res["error"] = None, str(e)
+                except (MooncakeIntegrityError, TimeoutError) as e:  # error object, or none
+                    got, res["error"] = None, f"{type(e).__name__}: {e}"
                     break
                 except Exception as e:  # -900 / -800 / timeout: retry, bounded
                     got, res["error"] = None, f"{type(e).__name__}: {e}"
@@ -202,6 +207,9 @@ def trainer(a: dict) -> None:
             if got is not None:
                 read_s += time.perf_counter() - t
                 nbytes += params["metadata"]["total_aligned_bytes"]
+                wait_end = time.monotonic() + 60  # the file backend writes after the answer
+                while not os.path.exists(x["file"]) and time.monotonic() < wait_end:
+                    time.sleep(0.05)
                 if fp8:
                     want = FP8Transfer(os.path.dirname(x["file"])).get_generated(
                         {"hidden_states_path": x["file"]}
