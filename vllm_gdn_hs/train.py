@@ -47,7 +47,11 @@ class MooncakeFP8Train(MooncakeBackend):
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> MooncakeFP8Transfer:
-        return MooncakeFP8Transfer(MooncakeBackend.from_train_args(args, data_path).store)
+        from vllm_gdn_hs.storage.mooncake_options import advertise_address
+
+        store = MooncakeBackend.from_train_args(args, data_path).store
+        advertise_address(store.config.local_hostname)  # before setup: this host's address
+        return MooncakeFP8Transfer(store)
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:

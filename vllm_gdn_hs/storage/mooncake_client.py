@@ -25,7 +25,7 @@ from hs_connectors.fp8_utils import SCALES_KEY
 from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, advertise_address, check_master
 
 logger = init_logger(__name__)
 
@@ -75,6 +75,7 @@ class MooncakeStore:
         self.options = options
         self.error_retry_s, self.close_grace_s = error_retry_s, close_grace_s
         check_master(options)
+        advertise_address(options.local_hostname)  # this host's address, not the first NIC's
         self.client = MooncakeDistributedStore()
         o = options
         rc = self.client.setup(

@@ -7,6 +7,8 @@ unchanged. Apart from :mod:`.mooncake`, so the launcher checks it without torch 
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 from typing import Any, Literal
 
@@ -77,3 +79,17 @@ def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
             "(docs/mooncake.md), or pass its address with --mooncake-master "
             "(kv_connector_extra_config.mooncake.master_server_address)"
         ) from None
+
+
+def advertise_address(local_hostname: str | None) -> str | None:
+    """Make Mooncake's TCP transport advertise (and, where it can, bind) this client's own
+    address, ``local_hostname``, instead of the first interface it finds: sets
+    ``MC_TCP_BIND_ADDRESS`` when it is unset and ``local_hostname`` is an IP address. A value
+    the user set wins. Returns the address in effect (None: Mooncake's own choice)."""
+    if not os.environ.get("MC_TCP_BIND_ADDRESS") and local_hostname:
+        try:
+            ipaddress.ip_address(local_hostname.strip("[]"))
+        except ValueError:
+            return None
+        os.environ["MC_TCP_BIND_ADDRESS"] = local_hostname.strip("[]")
+    return os.environ.get("MC_TCP_BIND_ADDRESS")
