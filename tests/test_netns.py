@@ -253,3 +253,8 @@ def test_master_killed_and_restarted(net, hybrid_model):
     failed = [line for lines in logs for line in lines if "returned -900" in line]
     assert len(errors) == len(failed)  # each failed put: its error object, one log line
     print(f"master restart: {len(ok)} read, {len(errors)} error objects, {len(lost)} lost")
+    if lost:  # answered with a key, then gone: a loss, said as one until the producers put again
+        pytest.xfail(
+            f"{len(lost)} answered samples lost: a restarted master has lost every object put "
+            "before it, and the producers do not put them again yet"
+        )
