@@ -7,7 +7,9 @@
 #      launcher and plain vllm serve (tests/gpu/test_gpu_shutdown.py)
 #   3. the 27B-shape bench, plain, ours with layer_by_layer, ours; vLLM's default GDN kernels
 #      (run48.sh 1a, 1b, 1c)
-#   4. fp8, then the end-to-end rate (run48.sh 2, 3a, 3b), while device time lasts
+#   4. fp8, then the end-to-end rate (run48.sh 2, 3a, 3b)
+#   5. speculators' generator SIGKILLed and resumed (pipeline.py, file backend, 1 step), the
+#      deep hybrid, /metrics: while device time lasts
 # Started by tools/device/session.sh start; SESSION is where everything goes.
 set -u
 cd "$(dirname "$0")/../.."
@@ -29,3 +31,9 @@ T=540 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer \
 T=600 suite shutdown \
     "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
 for step in 1a 1b 1c 2 3a 3b; do bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done
+log "pipeline start"
+PYTHONPATH=/tmp/site:tests/gpu:tests timeout 900 python3 tools/gpu_runs/pipeline.py \
+    --out "$SESSION/pipeline" --backend file --steps 1 --seeds 1 > "$SESSION/pipeline.log" 2>&1
+log "pipeline end rc=$?"
+T=540 suite deep tests/gpu/test_gpu_extract.py::test_deep_hybrid_chunked_and_unchunked
+T=420 suite metrics tests/gpu/test_gpu_launch.py::test_metrics_count_the_files
