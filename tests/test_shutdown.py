@@ -192,6 +192,23 @@ def test_a_drain_too_short_leaves_complete_files_or_no_lock(tmp_path, sig):
     assert missing and lost and int(lost[1]) >= len(missing), log[-3000:]
 
 
+def test_a_killed_process_leaves_check_exactly_the_lost_files(tmp_path):
+    """SIGKILL (a lost node, a scheduler past its KillWait) leaves no time to drain: ``check``
+    names exactly the answered requests whose files are not complete, as lost (to send again),
+    and nothing else; every other answered file is complete and readable."""
+    folder = tmp_path / "hs"
+    answered, rc, log = run_child(folder, signal.SIGKILL, drain_s=60, delay_s=0.3, workers=1,
+                                  answers=8)  # fmt: skip
+    assert rc == -signal.SIGKILL, log[-3000:]
+    out = check.scan(str(folder))
+    complete = set(out["complete_paths"])
+    lost = {path for path, _ in out["problems"].get(check.LOST, [])}
+    assert set(out["problems"]) <= {check.LOST, check.TEMP}, dict(out["problems"])
+    assert lost and lost == {lock_of(p) for p in set(answered) - complete}, lost
+    for path in complete:
+        assert load_file(path)["hidden_states"].shape[0] > 0
+
+
 # -- the launcher ------------------------------------------------------------------------------
 
 
