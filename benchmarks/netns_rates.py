@@ -2,7 +2,10 @@
 docs/scale.md: how fast one trainer process reads over a veth link, and how fast the producers
 put under a bandwidth cap. Not a test: it writes a JSON record and prints it.
 
-    sudo python benchmarks/netns_rates.py [--objects 16] [--tokens 256] [--cap-mbit 400]
+    sudo PYTHONPATH=tests python benchmarks/netns_rates.py [--objects 16] [--tokens 256] \
+        [--cap-mbit 400]
+
+(from the repository root: tests/ on PYTHONPATH for tests/netns.py, the simulated hosts).
 
 Hosts: ``store`` (``mooncake_master`` and a client lending the store its memory), ``prod1``
 and ``prod2`` (the connector's own client, ``MooncakeStore.write``, putting objects of
@@ -26,7 +29,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 WRITER = r"""
 import json, os, sys, time, torch
@@ -83,7 +85,11 @@ def last_json(path: str) -> dict:
 
 def main() -> None:
     from mooncake_side import master_binary
-    from netns import Hosts, netns_problem
+
+    try:
+        from netns import Hosts, netns_problem
+    except ModuleNotFoundError as e:
+        sys.exit(f"{e}: run with PYTHONPATH=tests from the repository root")
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--objects", type=int, default=16, help="objects per producer per phase")

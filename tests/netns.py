@@ -128,8 +128,12 @@ class Hosts:
         return proc
 
     def python(self, host: str, args: list[str], log_path: str, env: dict | None = None):
-        """tests/netns_child.py ``args`` on ``host`` (this interpreter)."""
-        env = {"MOONCAKE_LOCAL_HOSTNAME": self.ip(host), **(env or {})}
+        """tests/netns_child.py ``args`` on ``host`` (this interpreter), with tests/ and
+        benchmarks/ on its PYTHONPATH (the test helpers it imports by name, as pytest does)."""
+        path = [TESTS, os.path.join(os.path.dirname(TESTS), "benchmarks")]
+        path += filter(None, [os.environ.get("PYTHONPATH")])
+        env = {"MOONCAKE_LOCAL_HOSTNAME": self.ip(host), "PYTHONPATH": os.pathsep.join(path),
+               **(env or {})}  # fmt: skip
         child = os.path.join(TESTS, "netns_child.py")
         return self.popen(host, [sys.executable, child, *args], log_path, env)
 

@@ -27,7 +27,6 @@ import signal
 import sys
 import time
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MB = 1 << 20
 
 
@@ -65,7 +64,6 @@ def segment(a: dict) -> None:
 
 
 def producer(a: dict) -> None:
-    sys.path.insert(0, TESTS)
     import torch
     from test_connector_scheduler import make_request, prompt
     from test_mooncake import RowsEngine
