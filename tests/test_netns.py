@@ -258,3 +258,44 @@ def test_master_killed_and_restarted(net, hybrid_model):
             f"{len(lost)} answered samples lost: a restarted master has lost every object put "
             "before it, and the producers do not put them again yet"
         )
+
+
+def master_evictions(net: Net) -> list[str]:
+    """The master's periodic metrics lines that count an eviction (none, where nothing was
+    evicted)."""
+    lines = [x for n in range(1, net.starts + 1) for x in net.read(f"master-{n}").splitlines()]
+    metrics = [x for x in lines if "Eviction: Success/Attempts=" in x]
+    assert metrics, "the master logged no metrics"
+    return [x for x in metrics if "Eviction: Success/Attempts=0/0," not in x]
+
+
+CAP_MBIT = 16  # the store's link: 2 MB/s both ways, well below what the producers put
+
+
+def test_store_link_capped_below_the_write_rate(net, hybrid_model):
+    """tbf caps the store's link at 16 Mbit/s each way, below the producers' write rate: the
+    puts slow down, the writers' backlog reaches write_backlog_gb (1 MB, about one object),
+    the drain thread waits on it, the host buffers stay taken and the engine waits for one
+    (logged: "waited ... for host buffers"); its steps stay bounded, nothing is evicted or
+    fails, and every sample is read, bit-equal."""
+    net.hosts.shape("store", "tbf", "rate", f"{CAP_MBIT}mbit", "burst", "32kbit", "latency", "1s")
+    results = run_pipeline(net, hybrid_model, requests=8, tokens=600, backlog_gb=0.001)
+    assert len(results) == 16 and all(r["ok"] for r in results.values())
+    cap = CAP_MBIT * 1e6 / 8
+    for h in PRODUCERS:
+        r, log = net.result(h), net.read(h)
+        assert r["flushed"] and r["failed"] == 0 and r["store"]["errors"] == 0
+        assert r["store"]["objects"] == 8 and r["store"]["full_waits"] == 0
+        assert r["store"]["bytes"] / r["write_s"] <= cap  # the cap, not the engine, set the pace
+        assert r["backlog_waited_s"] > 0 and r["engine_waited_s"] > 0  # back-pressure
+        assert "waiting on write_backlog_gb" in log and "for host buffers" in log
+        object_bytes = r["store"]["bytes"] / r["store"]["objects"]
+        assert r["most_backlog"] <= 0.001 * 1e9 + object_bytes  # host memory bounded
+        assert r["max_step_s"] < 30  # a step waits for one object's put, not for the queue
+        print(
+            f"{h}: {r['store']['bytes'] / r['write_s'] / 1e6:.2f} MB/s put under the "
+            f"{cap / 1e6:.0f} MB/s cap; engine waited {r['engine_waited_s']:.1f} s for host "
+            f"buffers, drain {r['backlog_waited_s']:.1f} s on the backlog; longest step "
+            f"{r['max_step_s']:.2f} s"
+        )
+    assert master_evictions(net) == []
