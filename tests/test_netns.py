@@ -127,16 +127,17 @@ def net(master_bin, tmp_path):
         n.close()
 
 
-def check_nothing_lost(net: Net, trainers=("train",)) -> dict:
+def check_nothing_lost(net: Net, trainers=("train",), results: dict | None = None) -> dict:
     """Every answered request's key read exactly once, bit-equal, and gone from the store;
     every other request with ``hidden_states_error`` or an error object. The per-key
-    results."""
-    results: dict[str, dict] = {}
-    for t in trainers:
-        got = net.result(t)["results"]
-        for k in got:
-            assert k not in results, f"{k} read twice"
-        results.update(got)
+    results (``results``: already gathered, e.g. from a journal)."""
+    if results is None:
+        results = {}
+        for t in trainers:
+            got = net.result(t)["results"]
+            for k in got:
+                assert k not in results, f"{k} read twice"
+            results.update(got)
     answered = {h: net.answers(h) for h in PRODUCERS}
     handles = [x["params"].get("handle") for xs in answered.values() for x in xs]
     keyed = [h for h in handles if h]
@@ -299,3 +300,38 @@ def test_store_link_capped_below_the_write_rate(net, hybrid_model):
             f"{r['max_step_s']:.2f} s"
         )
     assert master_evictions(net) == []
+
+
+def test_trainer_host_restarted_mid_epoch(net, hybrid_model):
+    """The trainer is killed (SIGKILL) after 4 of 12 samples, between two samples, and a new
+    one starts on the same host from its journal (a sample's journal line is written after it
+    is read and deleted): across the two, every sample is read exactly once, none twice, none
+    missing, each bit-equal."""
+    procs = {h: net.producer(h, hybrid_model, seed=i + 1) for i, h in enumerate(PRODUCERS)}
+    first = net.trainer(stop_after=4)
+    stopped = os.path.join(net.tmp, "train", "stopped")
+    end = time.monotonic() + 240
+    while not os.path.exists(stopped):
+        assert first.poll() is None, net.read("train")[-4000:]
+        assert time.monotonic() < end, "the trainer never read 4 samples"
+        time.sleep(0.1)
+    net.hosts.fault("trainer on train killed (SIGKILL) after 4 samples, mid-epoch")
+    net.hosts.stop(first, 9)
+    journal = os.path.join(net.tmp, "train", "journal.jsonl")
+    with open(journal) as f:
+        before = [json.loads(x)["handle"] for x in f]
+    assert len(before) == 4
+    second = net.trainer(log="train-2", out=os.path.join(net.tmp, "train"))
+    net.hosts.fault("trainer on train restarted from its journal (4 samples in it)")
+    for h, p in procs.items():
+        net.wait(p, h)
+    net.wait(second, "train-2")
+    after = net.result("train")["results"]  # the second trainer's, in the same folder
+    assert not set(before) & set(after), "read again after the restart"
+    with open(journal) as f:
+        lines = [json.loads(x) for x in f]
+    handles = [x["handle"] for x in lines]
+    assert len(handles) == len(set(handles)) == 12, "a sample journaled twice, or missing"
+    results = check_nothing_lost(net, results={x["handle"]: x for x in lines})
+    assert len(results) == 12 and all(r["ok"] for r in results.values())
+    print(f"trainer restart: {len(before)} read before the kill, {len(after)} after")
