@@ -335,3 +335,21 @@ def test_trainer_host_restarted_mid_epoch(net, hybrid_model):
     results = check_nothing_lost(net, results={x["handle"]: x for x in lines})
     assert len(results) == 12 and all(r["ok"] for r in results.values())
     print(f"trainer restart: {len(before)} read before the kill, {len(after)} after")
+
+
+def test_loss_on_the_store_link(net, hybrid_model):
+    """2% of the packets the store host receives on its link are dropped at random (iptables'
+    statistic match; this kernel has no sch_netem): the producers' puts and the master's RPCs
+    come in through it, and the trainer's acknowledgements. TCP resends what is lost: every
+    sample is stored and read, bit-equal. No delay is added: this kernel has neither netem
+    nor fq, nor modules to load."""
+    net.hosts.drop("store", 0.02)
+    results = run_pipeline(net, hybrid_model, tokens=600)
+    dropped, resent = net.hosts.dropped("store"), net.hosts.retransmits()
+    print(f"loss: {dropped} packets dropped on the store's link, {resent} TCP segments resent")
+    assert dropped > 0 and resent > 0  # the rule did drop, and TCP sent again
+    assert len(results) == 12 and all(r["ok"] for r in results.values())
+    for h in PRODUCERS:
+        r = net.result(h)
+        assert r["flushed"] and r["failed"] == 0 and r["store"]["errors"] == 0
+    assert master_evictions(net) == []
