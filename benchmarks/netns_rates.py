@@ -3,7 +3,9 @@ docs/scale.md: how fast one trainer process reads over a veth link, and how fast
 put under a bandwidth cap. Not a test: it writes a JSON record and prints it.
 
     sudo PYTHONPATH=tests python benchmarks/netns_rates.py [--objects 16] [--tokens 256] \
-        [--cap-mbit 400]       (from the repository root: tests/netns.py makes the hosts)
+        [--cap-mbit 400]
+
+(from the repository root: tests/ on PYTHONPATH for tests/netns.py, the simulated hosts).
 
 Hosts: ``store`` (``mooncake_master`` and a client lending the store its memory), ``prod1``
 and ``prod2`` (the connector's own client, ``MooncakeStore.write``, putting objects of

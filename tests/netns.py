@@ -5,7 +5,9 @@ Each host is a namespace ``hs<tag>-<name>`` with one veth, ``eth0``, at ``10.249
 own (``hs<tag>-sw``), the switch. Nothing is added to the caller's namespace: no address, no
 route, no interface, so no traffic leaves the namespaces the test made. A host's link goes
 down and up at its switch port (a pulled cable: the host keeps its address); qdiscs (tbf)
-go on the switch port too, shaping what the host receives and, on its ``eth0``, what it sends.
+go on the switch port too, shaping what the host receives and, on its ``eth0``, what it sends;
+random loss is an iptables rule in the host's namespace (its ``INPUT`` from ``eth0``). This
+kernel has neither ``sch_netem`` nor ``sch_fq``, so no delay can be added.
 
 Processes run in a host with ``ip netns exec`` (:meth:`Hosts.popen`); :meth:`Hosts.close`
 kills every process started in these namespaces by its process id and deletes the
@@ -128,8 +130,12 @@ class Hosts:
         return proc
 
     def python(self, host: str, args: list[str], log_path: str, env: dict | None = None):
-        """tests/netns_child.py ``args`` on ``host`` (this interpreter)."""
-        env = {"MOONCAKE_LOCAL_HOSTNAME": self.ip(host), **(env or {})}
+        """tests/netns_child.py ``args`` on ``host`` (this interpreter), with tests/ and
+        benchmarks/ on its PYTHONPATH (the test helpers it imports by name, as pytest does)."""
+        path = [TESTS, os.path.join(os.path.dirname(TESTS), "benchmarks")]
+        path += filter(None, [os.environ.get("PYTHONPATH")])
+        env = {"MOONCAKE_LOCAL_HOSTNAME": self.ip(host), "PYTHONPATH": os.pathsep.join(path),
+               **(env or {})}  # fmt: skip
         child = os.path.join(TESTS, "netns_child.py")
         return self.popen(host, [sys.executable, child, *args], log_path, env)
 
@@ -185,6 +191,33 @@ class Hosts:
         _sh("tc", "-n", self.switch, "qdisc", "add", "dev", self.port(host), "root", *qdisc)
         _sh("tc", "-n", self.ns(host), "qdisc", "add", "dev", "eth0", "root", *qdisc)
         self.fault(f"link of {host} ({self.ip(host)}): {' '.join(qdisc)}")
+
+    def drop(self, host: str, probability: float) -> None:
+        """Drop ``probability`` of the packets ``host`` receives on its link, at random
+        (iptables' statistic match in its namespace; this kernel has no sch_netem). Every
+        host's ``eth0`` first sends one frame per packet (``gso_max_segs 1``: no 64 KB GSO
+        batches through the veths), so a packet dropped is one MTU frame, as on a wire."""
+        for name in self.names:
+            _sh("ip", "-n", self.ns(name), "link", "set", "eth0", "gso_max_segs", "1")
+        _sh("ip", "netns", "exec", self.ns(host), "iptables", "-A", "INPUT", "-i", "eth0",
+            "-m", "statistic", "--mode", "random", "--probability", str(probability),
+            "-j", "DROP")  # fmt: skip
+        self.fault(f"link of {host} ({self.ip(host)}): {probability:.0%} of its input dropped")
+
+    def dropped(self, host: str) -> int:
+        """Packets :meth:`drop` has dropped on ``host`` so far."""
+        listing = _sh("ip", "netns", "exec", self.ns(host), "iptables", "-L", "INPUT", "-v",
+                      "-n", "-x").stdout  # fmt: skip
+        return sum(int(line.split()[0]) for line in listing.splitlines() if " DROP " in line)
+
+    def retransmits(self) -> int:
+        """TCP segments sent again, over every host (each namespace counts its own)."""
+        total = 0
+        for name in self.names:
+            snmp = self.run(name, ["cat", "/proc/net/snmp"], timeout=30).stdout.splitlines()
+            head, values = [x.split() for x in snmp if x.startswith("Tcp:")][:2]
+            total += int(values[head.index("RetransSegs")])
+        return total
 
     # -- cleanup -------------------------------------------------------------------------
     def close(self) -> None:

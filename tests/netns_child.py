@@ -127,7 +127,9 @@ def producer(a: dict) -> None:
         "max_step_s": max(steps),
         "sum_step_s": sum(steps),
         "most_backlog": most_backlog,
-        "failed": worker.stats.failed,
+        "failed": (stats := worker.stats).failed,
+        "engine_waited_s": stats.engine_waited_s,  # for a free host buffer: back-pressure
+        "backlog_waited_s": stats.backlog_waited_s,  # the drain, on write_backlog_gb
         "store": dict(store.stats),
         "row_bytes": torch.finfo(torch.bfloat16).bits // 8 * mc.L * mc.hidden,
     }

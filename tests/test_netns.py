@@ -127,16 +127,17 @@ def net(master_bin, tmp_path):
         n.close()
 
 
-def check_nothing_lost(net: Net, trainers=("train",)) -> dict:
+def check_nothing_lost(net: Net, trainers=("train",), results: dict | None = None) -> dict:
     """Every answered request's key read exactly once, bit-equal, and gone from the store;
     every other request with ``hidden_states_error`` or an error object. The per-key
-    results."""
-    results: dict[str, dict] = {}
-    for t in trainers:
-        got = net.result(t)["results"]
-        for k in got:
-            assert k not in results, f"{k} read twice"
-        results.update(got)
+    results (``results``: already gathered, e.g. from a journal)."""
+    if results is None:
+        results = {}
+        for t in trainers:
+            got = net.result(t)["results"]
+            for k in got:
+                assert k not in results, f"{k} read twice"
+            results.update(got)
     answered = {h: net.answers(h) for h in PRODUCERS}
     handles = [x["params"].get("handle") for xs in answered.values() for x in xs]
     keyed = [h for h in handles if h]
@@ -258,3 +259,97 @@ def test_master_killed_and_restarted(net, hybrid_model):
             f"{len(lost)} answered samples lost: a restarted master has lost every object put "
             "before it, and the producers do not put them again yet"
         )
+
+
+def master_evictions(net: Net) -> list[str]:
+    """The master's periodic metrics lines that count an eviction (none, where nothing was
+    evicted)."""
+    lines = [x for n in range(1, net.starts + 1) for x in net.read(f"master-{n}").splitlines()]
+    metrics = [x for x in lines if "Eviction: Success/Attempts=" in x]
+    assert metrics, "the master logged no metrics"
+    return [x for x in metrics if "Eviction: Success/Attempts=0/0," not in x]
+
+
+CAP_MBIT = 16  # the store's link: 2 MB/s both ways, well below what the producers put
+
+
+def test_store_link_capped_below_the_write_rate(net, hybrid_model):
+    """tbf caps the store's link at 16 Mbit/s each way, below the producers' write rate: the
+    puts slow down, the writers' backlog reaches write_backlog_gb (1 MB, about one object),
+    the drain thread waits on it, the host buffers stay taken and the engine waits for one
+    (logged: "waited ... for host buffers"); its steps stay bounded, nothing is evicted or
+    fails, and every sample is read, bit-equal."""
+    net.hosts.shape("store", "tbf", "rate", f"{CAP_MBIT}mbit", "burst", "32kbit", "latency", "1s")
+    results = run_pipeline(net, hybrid_model, requests=8, tokens=600, backlog_gb=0.001)
+    assert len(results) == 16 and all(r["ok"] for r in results.values())
+    cap = CAP_MBIT * 1e6 / 8
+    for h in PRODUCERS:
+        r, log = net.result(h), net.read(h)
+        assert r["flushed"] and r["failed"] == 0 and r["store"]["errors"] == 0
+        assert r["store"]["objects"] == 8 and r["store"]["full_waits"] == 0
+        assert r["store"]["bytes"] / r["write_s"] <= cap  # the cap, not the engine, set the pace
+        assert r["backlog_waited_s"] > 0 and r["engine_waited_s"] > 0  # back-pressure
+        assert "waiting on write_backlog_gb" in log and "for host buffers" in log
+        object_bytes = r["store"]["bytes"] / r["store"]["objects"]
+        assert r["most_backlog"] <= 0.001 * 1e9 + object_bytes  # host memory bounded
+        assert r["max_step_s"] < 30  # a step waits for one object's put, not for the queue
+        print(
+            f"{h}: {r['store']['bytes'] / r['write_s'] / 1e6:.2f} MB/s put under the "
+            f"{cap / 1e6:.0f} MB/s cap; engine waited {r['engine_waited_s']:.1f} s for host "
+            f"buffers, drain {r['backlog_waited_s']:.1f} s on the backlog; longest step "
+            f"{r['max_step_s']:.2f} s"
+        )
+    assert master_evictions(net) == []
+
+
+def test_trainer_host_restarted_mid_epoch(net, hybrid_model):
+    """The trainer is killed (SIGKILL) after 4 of 12 samples, between two samples, and a new
+    one starts on the same host from its journal (a sample's journal line is written after it
+    is read and deleted): across the two, every sample is read exactly once, none twice, none
+    missing, each bit-equal."""
+    procs = {h: net.producer(h, hybrid_model, seed=i + 1) for i, h in enumerate(PRODUCERS)}
+    first = net.trainer(stop_after=4)
+    stopped = os.path.join(net.tmp, "train", "stopped")
+    end = time.monotonic() + 240
+    while not os.path.exists(stopped):
+        assert first.poll() is None, net.read("train")[-4000:]
+        assert time.monotonic() < end, "the trainer never read 4 samples"
+        time.sleep(0.1)
+    net.hosts.fault("trainer on train killed (SIGKILL) after 4 samples, mid-epoch")
+    net.hosts.stop(first, 9)
+    journal = os.path.join(net.tmp, "train", "journal.jsonl")
+    with open(journal) as f:
+        before = [json.loads(x)["handle"] for x in f]
+    assert len(before) == 4
+    second = net.trainer(log="train-2", out=os.path.join(net.tmp, "train"))
+    net.hosts.fault("trainer on train restarted from its journal (4 samples in it)")
+    for h, p in procs.items():
+        net.wait(p, h)
+    net.wait(second, "train-2")
+    after = net.result("train")["results"]  # the second trainer's, in the same folder
+    assert not set(before) & set(after), "read again after the restart"
+    with open(journal) as f:
+        lines = [json.loads(x) for x in f]
+    handles = [x["handle"] for x in lines]
+    assert len(handles) == len(set(handles)) == 12, "a sample journaled twice, or missing"
+    results = check_nothing_lost(net, results={x["handle"]: x for x in lines})
+    assert len(results) == 12 and all(r["ok"] for r in results.values())
+    print(f"trainer restart: {len(before)} read before the kill, {len(after)} after")
+
+
+def test_loss_on_the_store_link(net, hybrid_model):
+    """2% of the packets the store host receives on its link are dropped at random (iptables'
+    statistic match; this kernel has no sch_netem): the producers' puts and the master's RPCs
+    come in through it, and the trainer's acknowledgements. TCP resends what is lost: every
+    sample is stored and read, bit-equal. No delay is added: this kernel has neither netem
+    nor fq, nor modules to load."""
+    net.hosts.drop("store", 0.02)
+    results = run_pipeline(net, hybrid_model, tokens=600)
+    dropped, resent = net.hosts.dropped("store"), net.hosts.retransmits()
+    print(f"loss: {dropped} packets dropped on the store's link, {resent} TCP segments resent")
+    assert dropped > 0 and resent > 0  # the rule did drop, and TCP sent again
+    assert len(results) == 12 and all(r["ok"] for r in results.values())
+    for h in PRODUCERS:
+        r = net.result(h)
+        assert r["flushed"] and r["failed"] == 0 and r["store"]["errors"] == 0
+    assert master_evictions(net) == []
