@@ -2,10 +2,10 @@
 filled on a side stream.
 
 The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of
-:data:`CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small and inside the
-memory vLLM profiled. The side stream only copies; ``record_stream`` keeps the step's GPU
-tensors alive until it has. A slot is free again once the drain thread has filed its rows.
-On CPU (tests) the same path runs with plain copies.
+:data:`~vllm_gdn_hs.rows.CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small
+and inside the memory vLLM profiled. The side stream only copies; ``record_stream`` keeps the
+step's GPU tensors alive until it has. A slot is free again once the drain thread has filed
+its rows. On CPU (tests) the same path runs with plain copies.
 
 A step that runs eager takes a layer-major slot before its forward pass (:meth:`HostRing.take`),
 and each layer's rows leave the GPU as soon as the model made them
@@ -21,9 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gdn_hs.rows import row_norms
-
-CHUNK_TOKENS = 1024  # float32 temporaries of 1,024 x 6 x 5,120: 0.13 GB each at 27B size
+from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
 def rows_and_norms(hidden_states: torch.Tensor, fp8: bool, chunk: int = CHUNK_TOKENS):

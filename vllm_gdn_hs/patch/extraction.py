@@ -31,7 +31,7 @@ from vllm_gdn_hs.hook import (
     hidden_states_connector_class,
 )
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.rows import row_norms
+from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
 def extraction_layer_ids(vllm_config) -> list[int] | None:
@@ -150,13 +150,11 @@ class LayerSink:
         self.taken += 1
         if self.slot is not None:
             rows = aux[: self.num_tokens]
-            for s in range(0, self.num_tokens, CHUNK_TOKENS):  # float32 temporaries stay small
+            # float32 norm temporaries of one layer's chunk: 20 MiB at 27B size
+            for s in range(0, self.num_tokens, CHUNK_TOKENS):
                 self.norms[s : s + CHUNK_TOKENS, column] = row_norms(rows[s : s + CHUNK_TOKENS])
             self.slot.fill_layer(column, rows)
         return self.placeholder
-
-
-CHUNK_TOKENS = 1024  # float32 norm temporaries of 1,024 x 5,120: 20 MiB at 27B size
 
 
 def install_sink(self) -> None:
