@@ -3,7 +3,7 @@
 # 1 16 31 46 61 64, max_num_seqs 256 (plain on one H100 needs it), the extensible KV cache
 # (--gpu-memory-utilization 0: vLLM's warm-up line gives the allocated-at-peak figure).
 #   usage: [BUDGET=S] tools/gpu_runs/run48.sh RESULTS_DIR [STEPS]  (STEPS: default "1 2 3 4";
-#   BUDGET: seconds per one-variant step, default 570)
+#   BUDGET: seconds per one-variant step, default 570; WL: the workloads of steps 1*)
 # Steps in priority order; each appends its records as each variant finishes:
 #   1  bench plain, ours with layer_by_layer, then ours, default GDN backend: 128x1024
 #      mixed-out256 chat 32x8192 mixed -> RESULTS_DIR/run48-bench.json          (~18-20 min)
@@ -25,7 +25,7 @@ RUN=run48
 COMMON=(--shape 27b --gpu-memory-utilization 0 --max-num-seqs 256 --run "$RUN" --timeout 900
         --out-dir /dev/shm/hs48 --log-dir "$R/logs" --model-root /tmp/m48
         --results "$R/run48-bench.json")
-WL=128x1024,mixed-out256,chat,32x8192,mixed
+WL=${WL:-128x1024,mixed-out256,chat,32x8192,mixed}
 log() { echo "[run48] $(date -u +%H:%M:%S) $*"; }
 bench() { log "step $1 start"; shift; python3 benchmarks/bench.py "${COMMON[@]}" "$@"; log "end rc=$?"; }
 for s in $STEPS; do
