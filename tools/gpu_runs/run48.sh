@@ -2,8 +2,9 @@
 # Issue #48 part B on one H100/H200: 27B shape, dummy weights, CUDA graphs, layers
 # 1 16 31 46 61 64, max_num_seqs 256 (plain on one H100 needs it), the extensible KV cache
 # (--gpu-memory-utilization 0: vLLM's warm-up line gives the allocated-at-peak figure).
-#   usage: [BUDGET=S] tools/gpu_runs/run48.sh RESULTS_DIR [STEPS]  (STEPS: default "1 2 3 4";
-#   BUDGET: seconds per one-variant step, default 570; WL: the workloads of steps 1*)
+#   usage: [BUDGET=S] [WL=W,...] tools/gpu_runs/run48.sh RESULTS_DIR [STEPS]
+#   (STEPS: default "1 2 3 4"; BUDGET: seconds per one-variant step, default 570; WL: the
+#   workloads of steps 1*)
 # Steps in priority order; each appends its records as each variant finishes:
 #   1  bench plain, ours with layer_by_layer, then ours, default GDN backend: 128x1024
 #      mixed-out256 chat 32x8192 mixed -> RESULTS_DIR/run48-bench.json          (~18-20 min)
@@ -26,15 +27,16 @@ COMMON=(--shape 27b --gpu-memory-utilization 0 --max-num-seqs 256 --run "$RUN" -
         --out-dir /dev/shm/hs48 --log-dir "$R/logs" --model-root /tmp/m48
         --results "$R/run48-bench.json")
 WL=${WL:-128x1024,mixed-out256,chat,32x8192,mixed}
+BUDGET=${BUDGET:-570}
 log() { echo "[run48] $(date -u +%H:%M:%S) $*"; }
 bench() { log "step $1 start"; shift; python3 benchmarks/bench.py "${COMMON[@]}" "$@"; log "end rc=$?"; }
 for s in $STEPS; do
   case $s in
     1)  bench 1 --variants plain,ours-layers,ours --workloads $WL --budget 1500 ;;
-    1a) bench 1a --variants plain --workloads $WL --budget ${BUDGET:-570} ;;
-    1b) bench 1b --variants ours-layers --workloads $WL --budget ${BUDGET:-570} ;;
-    1c) bench 1c --variants ours --workloads $WL --budget ${BUDGET:-570} ;;
-    2)  bench 2 --variants fp8 --workloads 128x1024,mixed-out256 --budget ${BUDGET:-570} ;;
+    1a) bench 1a --variants plain --workloads $WL --budget $BUDGET ;;
+    1b) bench 1b --variants ours-layers --workloads $WL --budget $BUDGET ;;
+    1c) bench 1c --variants ours --workloads $WL --budget $BUDGET ;;
+    2)  bench 2 --variants fp8 --workloads 128x1024,mixed-out256 --budget $BUDGET ;;
     3|3a|3b|3c)  # 3: all four backends; 3a plain,file; 3b fp8; 3c mooncake
         b=plain,file,fp8,mooncake; [ "$s" = 3a ] && b=plain,file
         [ "$s" = 3b ] && b=fp8; [ "$s" = 3c ] && b=mooncake
@@ -43,7 +45,7 @@ for s in $STEPS; do
           --out-dir /dev/shm/e2e48 --log-dir "$R/logs" --model-root /tmp/m48 \
           --results "$R/run48-e2e.json" -- --max-num-seqs 256
         log "step $s end rc=$?" ;;
-    4)  bench 4 --variants plain,ours --gdn-backends triton --workloads 128x1024 --budget ${BUDGET:-570} ;;
+    4)  bench 4 --variants plain,ours --gdn-backends triton --workloads 128x1024 --budget $BUDGET ;;
     *)  log "unknown step $s" ;;
   esac
 done
