@@ -28,33 +28,23 @@ REFUSED: dict[str, str] = {}
 # The releases .ci/run runs the whole CPU suite on: the first, the last with vLLM's V1 GPU model
 # runner, and the newest; tests/matrix.sh runs the smoke set on every release.
 CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
-# Releases whose own pins do not resolve from the package index: vLLM 0.34.0 pins
-# flashinfer-python 0.7.3, which it lacks; the repository's overrides.txt takes 0.7.4.
+# vLLM 0.34.0 pins flashinfer-python 0.7.3, which the package index lacks; the repository's
+# overrides.txt takes 0.7.4.
 NEEDS_OVERRIDES = ("0.34.0",)
 # Which runner extraction runs on (patch/ applies a runner's patch only where it can run):
-# - Model Runner V2 from 0.33.0, where it became vLLM's default runner; its patch is written
-#   against 0.33.0's runner, so before 0.33.0 the plugin refuses V2 and runs V1.
-# - vLLM's V1 GPU model runner up to 0.33.0 (0.34.0 deleted it).
-# - On 0.33.0, where both exist, V1 by default (the runner the GPU suite covers there) and V2
-#   when VLLM_USE_V2_MODEL_RUNNER=1 asks for it. From V2_DEFAULT_FROM, V2 is the default.
+# Model Runner V2 from 0.33.0, where it became vLLM's default (its patch is written against
+# 0.33.0's runner, so before it the plugin refuses V2); vLLM's V1 runner up to 0.33.0 (0.34.0
+# deleted it). On 0.33.0, which has both, V1 by default (the runner the GPU suite covers
+# there) and V2 when VLLM_USE_V2_MODEL_RUNNER=1 asks for it; from V2_DEFAULT_FROM, V2.
 MODEL_RUNNER_V2_FROM = "0.33.0"
-# Shutdown (patch/shutdown.py): every release from 0.20.1 to 0.34.0 has vLLM's drain mode
-# (VllmConfig.shutdown_timeout > 0: EngineCoreProc._handle_shutdown keeps stepping, new requests
-# are refused, the engine core is killed shutdown_timeout s after SIGTERM), which the plugin turns
-# on for its connector also under plain `vllm serve`. The API server answers new requests with
-# HTTP 503 where vLLM has GracefulHTTPError (0.33.0, 0.34.0; 0.20.1 has not: there the engine
-# core refuses them, answered with hidden_states_error). 0.33.0 on reads
-# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine core; 0.20.1 does not (serve_args.py).
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
 # From this release vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine
-# core processes (v1/engine/utils.py's get_engine_process_shutdown_timeout reads it; 0.30.0 to
-# 0.32.0 have the function without the variable): before, the launcher passes
-# --shutdown-timeout instead.
+# core processes (0.30.0 to 0.32.0 have get_engine_process_shutdown_timeout without the
+# variable); before, the launcher passes --shutdown-timeout instead (serve_args.py).
 ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
-# A vLLM newer than the newest release in RELEASES is untested: refused by default, run with
-# this variable set to 1 (patch/ then probes that every vLLM method it wraps is still there,
-# with the newest release's patches, and refuses naming the first one that is not).
+# A vLLM newer than RELEASES[-1] is untested: refused by default, run with this variable set
+# to 1 (patch/ then probes that every vLLM method it wraps is still there).
 ALLOW_UNTESTED = "VLLM_GDN_HS_ALLOW_UNTESTED_VLLM"
 
 
@@ -74,39 +64,55 @@ def requirement(name: str) -> SpecifierSet:
 
 
 def supported_vllm() -> SpecifierSet:
-    """The vLLM versions this plugin supports."""
     return requirement("vllm")
 
 
-def installed_vllm() -> Version | None:
+def installed(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
     try:
-        return Version(metadata.version("vllm"))
+        return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return None
 
 
-def _release(version: str | None) -> Version:
+def installed_vllm() -> Version | None:
+    v = installed("vllm")
+    return None if v is None else Version(v)
+
+
+def release(version: str | None = None) -> str:
+    """A release without its local part (0.20.1+cu130 is 0.20.1); default: the installed one
+    ("0" if none)."""
     if version is None:
-        installed = installed_vllm()
-        version = installed.base_version if installed is not None else "0"
-    return Version(Version(version).base_version)
+        v = installed_vllm()
+        return v.base_version if v is not None else "0"
+    return Version(version).base_version
+
+
+def _at_least(since: str, version: str | None) -> bool:
+    return Version(release(version)) >= Version(since)
 
 
 def runs_model_runner_v2(version: str | None = None) -> bool:
     """Whether extraction can run on Model Runner V2 on this release (default: installed)."""
-    return _release(version) >= Version(MODEL_RUNNER_V2_FROM)
+    return _at_least(MODEL_RUNNER_V2_FROM, version)
 
 
 def has_v1_runner(version: str | None = None) -> bool:
     """Whether this release (default: installed) still has vLLM's V1 GPU model runner."""
-    return _release(version) <= Version(V1_RUNNER_UNTIL)
+    return Version(release(version)) <= Version(V1_RUNNER_UNTIL)
+
+
+def engine_wait_from_env(version: str | None = None) -> bool:
+    """Whether this release (default: installed) waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for
+    its engine core processes at shutdown."""
+    return _at_least(ENGINE_WAIT_FROM_ENV_FROM, version)
 
 
 def model_runner_v2_asked_for() -> bool:
-    """Whether extraction runs on Model Runner V2 with the installed vLLM: always where V2 is
-    the only runner; on a release with both runners from V2_DEFAULT_FROM unless
-    ``VLLM_USE_V2_MODEL_RUNNER=0`` asks for V1, before it only with
-    ``VLLM_USE_V2_MODEL_RUNNER=1`` (and never before MODEL_RUNNER_V2_FROM)."""
+    """Whether extraction runs on Model Runner V2 with the installed vLLM: where it is the only
+    runner; where both are, as ``VLLM_USE_V2_MODEL_RUNNER`` says (unset: from V2_DEFAULT_FROM
+    on); never before MODEL_RUNNER_V2_FROM."""
     if not runs_model_runner_v2():
         return False
     if not has_v1_runner():
@@ -114,9 +120,7 @@ def model_runner_v2_asked_for() -> bool:
     import vllm.envs as envs
 
     asked = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
-    if asked is None:
-        return _release(None) >= Version(V2_DEFAULT_FROM)
-    return bool(asked)
+    return _at_least(V2_DEFAULT_FROM, None) if asked is None else bool(asked)
 
 
 def runner_in_use() -> str:
@@ -130,12 +134,6 @@ def runner_in_use() -> str:
     return "V1 (the only runner the plugin supports on this vLLM)"
 
 
-def engine_wait_from_env(version: str | None = None) -> bool:
-    """Whether this release (default: installed) waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for
-    its engine core processes at shutdown."""
-    return _release(version) >= Version(ENGINE_WAIT_FROM_ENV_FROM)
-
-
 def describe_releases() -> str:
     """The supported releases in a few words: ``<first> to <last>`` (``, except ...``)."""
     span = f"{RELEASES[0]} to {RELEASES[-1]}" if len(RELEASES) > 2 else " or ".join(RELEASES)
@@ -143,8 +141,7 @@ def describe_releases() -> str:
 
 
 def nearest_release(version: Version) -> str:
-    """The supported release closest to ``version``: the newest one for a newer vLLM, else the
-    last patch of the nearest minor release."""
+    """The newest release for a newer vLLM, else the last patch of the nearest minor one."""
     if version >= Version(RELEASES[-1]):
         return RELEASES[-1]
 
@@ -167,11 +164,7 @@ def install_command(release: str) -> str:
 
 def is_untested(version: str | Version | None = None) -> bool:
     """Whether this release (default: installed) is newer than every release in RELEASES."""
-    return _release(None if version is None else str(version)) > Version(RELEASES[-1])
-
-
-def untested_allowed() -> bool:
-    return os.environ.get(ALLOW_UNTESTED, "").strip() == "1"
+    return Version(release(None if version is None else str(version))) > Version(RELEASES[-1])
 
 
 def untested_note(version: Version) -> str:
@@ -187,8 +180,8 @@ def untested_note(version: Version) -> str:
 def check_vllm(version: Version | None = None) -> Version:
     """Return the installed vLLM version, or raise naming the supported ones and the nearest.
 
-    A release newer than every supported one passes only with ``VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1``;
-    then :func:`vllm_gdn_hs.patch.runtime_patches` probes the vLLM methods they wrap."""
+    A release newer than every supported one passes only with ``ALLOW_UNTESTED=1``; then
+    :func:`vllm_gdn_hs.patch.runtime_patches` probes the vLLM methods they wrap."""
     version = version if version is not None else installed_vllm()
     if version is None:
         raise UnsupportedVllmError(
@@ -203,7 +196,7 @@ def check_vllm(version: Version | None = None) -> Version:
             f"{DIST_NAME} refuses vllm {version}: {REFUSED[release]}. "
             f"Install the nearest supported release: {install}"
         )
-    if is_untested(release) and untested_allowed():
+    if is_untested(release) and os.environ.get(ALLOW_UNTESTED, "").strip() == "1":
         return version
     if release not in RELEASES or Version(release) not in supported_vllm():
         untested = (

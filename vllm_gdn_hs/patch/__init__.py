@@ -19,12 +19,12 @@ from vllm_gdn_hs.version import (
     install_command,
     installed_vllm,
     is_untested,
+    release,
     runs_model_runner_v2,
 )
 
-# The patch modules, in the order they apply; the same on every supported release (the few
-# differences between releases are feature probes inside each module), plus one runner patch
-# per runner that exists and carries extraction on the release (version.py says which).
+# The patch modules, in the order they apply (releases differ only in feature probes inside
+# them), plus one patch per runner that carries extraction on the release (version.py).
 PATCHES: tuple[str, ...] = (
     "patch_config_vllm",
     "patch_config_kv_transfer",
@@ -37,9 +37,7 @@ MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 def patches_for(version: str | None = None) -> tuple[str, ...]:
     """The patches a vLLM release needs: none for a release the plugin does not support, the
     newest release's for an untested newer one."""
-    if version is None:
-        v = installed_vllm()
-        version = v.base_version if v is not None else "0"
+    version = release(version)
     if is_untested(version):
         version = RELEASES[-1]
     if version not in RELEASES:
@@ -73,16 +71,16 @@ class Patch:
 
 
 def require(what, *names: str) -> None:
-    """Raise AttributeError naming the first of ``names`` that ``what`` lacks: a function's
-    parameter, a dataclass's or NamedTuple's field, or a class's attribute. A patch module
-    calls it at import for what its code reads of vLLM besides the methods it wraps, so that
-    a vLLM that renamed one is refused at startup (:func:`runtime_patches`), not at a step."""
+    """AttributeError naming the first of ``names`` that ``what`` lacks (a function's
+    parameter, a dataclass's field, a class's attribute). Called at import for what a patch
+    reads of vLLM besides the methods it wraps: a vLLM that renamed one is refused at startup
+    (:func:`runtime_patches`), not at a step."""
     if inspect.isfunction(what):
         have = set(inspect.signature(what).parameters)
     elif dataclasses.is_dataclass(what):
         have = {f.name for f in dataclasses.fields(what)}
-    else:
-        have = set(getattr(what, "_fields", ())) | set(dir(what))
+    else:  # a class, NamedTuples' fields included
+        have = set(dir(what))
     for name in names:
         if name not in have:
             raise AttributeError(f"{what.__qualname__} has no {name!r}")
@@ -92,11 +90,9 @@ _applied: list[str] = []
 
 
 def runtime_patches() -> dict[str, Patch]:
-    """The installed vLLM's patches by module name, imported and not yet applied.
-
-    Each module takes the vLLM methods it wraps when imported, and checks what else it reads
-    (:func:`require`). On an untested newer vLLM one that is gone is the probe's answer:
-    UnsupportedVllmError names it, before any patch is applied."""
+    """The installed vLLM's patches by module name, imported (each takes the vLLM methods it
+    wraps, :func:`require`) and not yet applied: on an untested newer vLLM, UnsupportedVllmError
+    names what is gone before any patch is applied."""
     return {name: _module(name).PATCH for name in patches_for()}
 
 
