@@ -9,7 +9,7 @@ so ours is held to HF bf16's error rather than to a fixed bar, twice:
 
 - per run and layer, the errors pooled over the run's files, ``sqrt(sum ||x - hf32||^2 /
   sum ||hf32||^2)``: ours <= ``BAR_FACTOR`` x HF bf16's (:meth:`HFReference.pooled`);
-- per file, per layer: ours <= ``GROSS_FACTOR`` x HF bf16's (:func:`within_bar`), and the
+- per file and layer: ours <= ``GROSS_FACTOR`` x HF bf16's (:func:`within_bar`), and the
   structural checks (:func:`file_problems`).
 
 One file's ratio is a noisy sample (on short prompts bf16's error moves by +-15% from one
@@ -24,17 +24,16 @@ from contextlib import contextmanager
 
 import torch
 
+from vllm_gdn_hs.checkpoint import load_text_model as load_hf_model
 from vllm_gdn_hs.files import SCALES, hidden_states_of
 from vllm_gdn_hs.rows import check_rows
 
-# Per run and layer, pooled over the run's files: ours <= BAR_FACTOR x HF bf16's error.
 BAR_FACTOR = 1.1
-# Per file and layer: ours <= GROSS_FACTOR x HF bf16's error. Loose on purpose: a bug that
-# moves rows (shifted by a token, another layer, garbage) is off by ~1, bf16 noise by
-# ~1x bf16's error; the pooled bar is the tight one.
+# Loose on purpose: a bug that moves rows (shifted by a token, another layer, garbage) is off
+# by ~1, bf16 noise by ~1x bf16's error; the pooled bar is the tight one.
 GROSS_FACTOR = 3.0
-# Floor under HF bf16's own error in both bars, so that a bar is never 0 (bf16 equal
-# to fp32 on a short prompt); bf16 rounding alone is ~2e-3.
+# Floor under HF bf16's own error in both bars, so that a bar is never 0 (bf16 equal to fp32
+# on a short prompt); bf16 rounding alone is ~2e-3.
 MIN_HF_ERROR = 1e-3
 
 
@@ -50,18 +49,10 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
     raise ValueError(f"no decoder layer list of length {num_layers} in {type(model).__name__}")
 
 
-def load_hf_model(model_dir: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
-    """HF transformers' model for a model folder (text-only: the language model of a
-    multimodal checkpoint); fp32 upcasts the same bf16 weights."""
-    from vllm_gdn_hs.checkpoint import load_text_model
-
-    return load_text_model(model_dir, device, dtype)
-
-
 @contextmanager
 def _no_tf32():
-    """fp32 means fp32: no TF32 in matmuls or cuDNN convolutions (the GDN conv): TF32 moves
-    the fp32 reference by a noticeable part of bf16's error."""
+    """fp32 means fp32: TF32 in matmuls or cuDNN convolutions (the GDN conv) moves the fp32
+    reference by a noticeable part of bf16's error."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -78,8 +69,7 @@ def hf_hidden_states(
     """[T, L, H] in the model's dtype on the CPU for each prompt, layers in the given order.
     Prompts of one length share a forward pass of up to ``batch_tokens`` tokens (no padding,
     so nothing changes but the batch; 0: one prompt a pass)."""
-    cfg = model.config.get_text_config()
-    layers = _decoder_layers(model, cfg.num_hidden_layers)
+    layers = _decoder_layers(model, model.config.get_text_config().num_hidden_layers)
     captured: dict[int, torch.Tensor] = {}
 
     def hook(layer_id):
@@ -102,8 +92,10 @@ def hf_hidden_states(
             for start in range(0, len(group), per_pass):
                 batch = group[start : start + per_pass]
                 captured.clear()
-                ids = torch.tensor([prompts[i] for i in batch], device=device)
-                model(input_ids=ids, use_cache=False)
+                model(
+                    input_ids=torch.tensor([prompts[i] for i in batch], device=device),
+                    use_cache=False,
+                )
                 stacked = torch.stack([captured[i] for i in layer_ids], dim=2).cpu()  # [B,T,L,H]
                 for row, i in enumerate(batch):
                     out[i] = stacked[row]
@@ -139,10 +131,9 @@ def within_bar(
     layer_ids: list[int] | None = None,
     factor: float = GROSS_FACTOR,
 ) -> tuple[list[float], list[float], list[str]]:
-    """Ours against the per-file bound, for [T, L, H] tensors of one prompt: per layer the
-    errors of ours and of HF bf16 (``ref16``) against HF fp32 (``ref32``), and one line
-    for each layer over ``factor`` x HF bf16's error (none: within it). Layers are named
-    by ``layer_ids`` if given."""
+    """The per-file bound for one prompt's [T, L, H] tensors: per layer the errors of ours and
+    of HF bf16 (``ref16``) against HF fp32 (``ref32``), and a line for each layer (named by
+    ``layer_ids``) over ``factor`` x HF bf16's error."""
     if not ours.shape == ref32.shape == ref16.shape:
         raise ValueError(f"shapes differ: {ours.shape}, {ref32.shape}, {ref16.shape}")
     got, hf = relative_errors(ours, ref32), relative_errors(ref16, ref32)
@@ -157,55 +148,8 @@ def within_bar(
     return got, hf, failing
 
 
-def _squared_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """sum ||got - ref||^2 per layer of [T, L, H] tensors, in float64."""
-    return (got.double() - ref.double()).pow(2).sum(dim=(0, 2))
-
-
-class PooledErrors:
-    """Errors against HF fp32 pooled over the files of a run, per layer: the sums of
-    ``||ours - hf32||^2``, ``||hf16 - hf32||^2`` and ``||hf32||^2`` (float64), so that
-    a long file weighs by its tokens and a 1-token file's noisy ratio hardly counts."""
-
-    def __init__(self, layer_ids: list[int]):
-        self.layer_ids = list(layer_ids)
-        self.reset()
-
-    def reset(self) -> None:
-        n = len(self.layer_ids)
-        self.files = 0
-        self._ours, self._hf, self._ref = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
-
-    def add(self, ours: torch.Tensor, ref32: torch.Tensor, ref16: torch.Tensor) -> None:
-        """One file's [T, L, H] tensors, of one shape."""
-        self._ours += _squared_errors(ours, ref32)
-        self._hf += _squared_errors(ref16, ref32)
-        self._ref += ref32.double().pow(2).sum(dim=(0, 2))
-        self.files += 1
-
-    def result(self) -> dict:
-        """Per layer the pooled errors of ``ours`` and ``hf_bf16``, ``ratio`` (ours over
-        HF bf16's, floored at MIN_HF_ERROR), ``files`` and ``problems``: one line for each
-        layer whose ratio is over BAR_FACTOR (none: the run passes), or one saying that no
-        file was pooled."""
-        if not self.files:
-            problems = ["no file pooled: nothing to judge"]
-            return dict(ours=[], hf_bf16=[], ratio=[], files=0, problems=problems)
-        ref = self._ref.clamp(min=torch.finfo(torch.float64).tiny)
-        ours = (self._ours / ref).sqrt().tolist()
-        hf = (self._hf / ref).sqrt().tolist()
-        ratio = [g / max(h, MIN_HF_ERROR) for g, h in zip(ours, hf, strict=True)]
-        problems = [
-            f"layer {i}: pooled error {g:.4f} vs HF fp32 over {self.files} files is "
-            f"{r:.3f} x HF bf16's {h:.4f}, over the bar {BAR_FACTOR}"
-            for i, g, h, r in zip(self.layer_ids, ours, hf, ratio, strict=True)
-            if not r <= BAR_FACTOR  # NaN fails too
-        ]
-        return dict(ours=ours, hf_bf16=hf, ratio=ratio, files=self.files, problems=problems)
-
-
 def describe_pooled(pooled: dict) -> str:
-    """One line for a :meth:`HFReference.pooled` result, for the GPU suite's log."""
+    """One line for a :meth:`HFReference.pooled` result."""
     if not pooled["files"]:
         return "pooled: no file"
 
@@ -221,7 +165,7 @@ def describe_pooled(pooled: dict) -> str:
 def worst_by_layer(checks: list[dict]) -> dict:
     """Several :meth:`HFReference.check` results' errors against HF fp32 (ours, HF bf16),
     worst per layer and overall, and the worst ratio of ours to HF bf16's in one file and
-    layer (the per-file bound, GROSS_FACTOR). Empty if none has any."""
+    layer (the per-file bound). Empty if none has any."""
     done = [c for c in checks if c["ours"]]
     if not done:
         return {}
@@ -237,23 +181,11 @@ def worst_by_layer(checks: list[dict]) -> dict:
     }
 
 
-def describe(worst: dict) -> str:
-    """One line for a :func:`worst_by_layer` result, for the GPU suite's log."""
-    if not worst:
-        return "no file to compare"
-    return (
-        f"max rel err vs HF fp32 {worst['max_rel_err_vs_fp32']:.4f} "
-        f"(HF bf16 {worst['max_hf_bf16_err_vs_fp32']:.4f}), worst ratio to HF bf16's in one "
-        f"file {worst['worst_ratio']:.3f} (per-file bound {GROSS_FACTOR}); by layer "
-        f"{worst['rel_err_vs_fp32_by_layer']} (HF bf16 {worst['hf_bf16_err_vs_fp32_by_layer']})"
-    )
-
-
 class HFReference:
     """HF transformers' hidden states of one model folder in fp32 and in bf16, on the same
     bf16 weights (models loaded on first use, references cached per prompt). :meth:`check`
-    judges one extracted file and pools its errors into the run's; :meth:`pooled` judges the
-    run so far (the bar), :meth:`reset` starts a new run."""
+    judges one file and pools its errors into the run's; :meth:`pooled` judges the run since
+    :meth:`reset`."""
 
     def __init__(
         self,
@@ -267,7 +199,7 @@ class HFReference:
         self.max_cached, self.batch_tokens = max_cached, batch_tokens
         self._models: dict[torch.dtype, torch.nn.Module] = {}
         self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pooled = PooledErrors(self.layer_ids)
+        self.reset()
 
     def model(self, dtype: torch.dtype) -> torch.nn.Module:
         if dtype not in self._models:
@@ -300,25 +232,23 @@ class HFReference:
         if not keys:
             return
         self._make_room(len(keys))
-        refs: dict[tuple[int, ...], list] = {}
+        refs: dict[tuple[int, ...], list] = {k: [] for k in keys}
         for dtype in (torch.float32, torch.bfloat16):
-            model = self.model(dtype)
             states = hf_hidden_states(
-                model, [list(k) for k in keys], self.layer_ids, self.batch_tokens
+                self.model(dtype), [list(k) for k in keys], self.layer_ids, self.batch_tokens
             )
             for key, hs in zip(keys, states, strict=True):
-                refs.setdefault(key, []).append(hs)
-            del self._models[dtype], model
+                refs[key].append(hs)
+            del self._models[dtype]
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        for key, pair in refs.items():
-            self._cache[key] = tuple(pair)
+        self._cache.update((key, tuple(pair)) for key, pair in refs.items())
 
     def check(self, data: dict, seq: list[int]) -> dict:
-        """One extracted file against the tokens it is of: ``problems`` (:func:`file_problems`,
-        then each layer over the per-file bound; none: good) and per layer the errors against
-        HF fp32 of ``ours`` and ``hf_bf16`` (empty if the shape is wrong). A file of the right
-        shape is pooled into the run (:meth:`pooled`), problems or not."""
+        """One file against the tokens it is of: ``problems`` (:func:`file_problems`, then each
+        layer over the per-file bound; none: good) and per layer the errors against HF fp32 of
+        ``ours`` and ``hf_bf16`` (empty if the shape is wrong). A file of the right shape is
+        pooled into the run, problems or not."""
         ref32, ref16 = self(seq)
         hs = hidden_states_of(data)
         if SCALES in data:  # an fp8 file: the yardstick is HF bf16 put through the same fp8
@@ -330,17 +260,35 @@ class HFReference:
         if hs.shape == ref32.shape:
             ours, hf, failing = within_bar(hs, ref32, ref16, self.layer_ids)
             problems += failing
-            self._pooled.add(hs, ref32, ref16)
+            r = ref32.double()  # float64 sums of squares per layer: ours - hf32, hf16 - hf32, hf32
+            diffs = (hs.double() - r, ref16.double() - r, r)
+            self._sums += torch.stack([d.pow(2).sum(dim=(0, 2)) for d in diffs])
+            self._files += 1
         return {"problems": problems, "ours": ours, "hf_bf16": hf}
-
-    def pooled(self) -> dict:
-        """The run since the last :meth:`reset` against the bar: :meth:`PooledErrors.result`
-        (a run of no file does not pass)."""
-        return self._pooled.result()
 
     def reset(self) -> None:
         """Start a new run for :meth:`pooled` (the cached references are kept)."""
-        self._pooled.reset()
+        self._files = 0
+        self._sums = torch.zeros(3, len(self.layer_ids), dtype=torch.float64)
+
+    def pooled(self) -> dict:
+        """The run since :meth:`reset` against the bar, per layer: the pooled errors of ``ours``
+        and ``hf_bf16`` against HF fp32, ``ratio`` (ours over HF bf16's, floored at
+        MIN_HF_ERROR), ``files``, and ``problems``: a line per layer over BAR_FACTOR (none: the
+        run passes; a run of no file does not)."""
+        if not self._files:
+            problems = ["no file pooled: nothing to judge"]
+            return dict(ours=[], hf_bf16=[], ratio=[], files=0, problems=problems)
+        ref = self._sums[2].clamp(min=torch.finfo(torch.float64).tiny)
+        ours, hf = (self._sums[:2] / ref).sqrt().tolist()
+        ratio = [g / max(h, MIN_HF_ERROR) for g, h in zip(ours, hf, strict=True)]
+        problems = [
+            f"layer {i}: pooled error {g:.4f} vs HF fp32 over {self._files} files is "
+            f"{r:.3f} x HF bf16's {h:.4f}, over the bar {BAR_FACTOR}"
+            for i, g, h, r in zip(self.layer_ids, ours, hf, ratio, strict=True)
+            if not r <= BAR_FACTOR  # NaN fails too
+        ]
+        return dict(ours=ours, hf_bf16=hf, ratio=ratio, files=self._files, problems=problems)
 
     def close(self) -> None:
         """Drop the models (their GPU memory too) and the cache."""

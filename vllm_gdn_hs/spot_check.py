@@ -1,16 +1,10 @@
 """``vllm-gdn-hs check DIR --reference MODEL``: a sample of a run's files against HF transformers.
 
-``check`` alone sees what a file's header and rows show: truncated files, NaN/Inf, all-zero
-rows. A wrong state that is finite and not zero (a recycled GDN state, rows shifted by a
-token, another layer) passes those checks and is only seen against the model itself. This
-runs HF transformers on the same weights over a sample of the folder's complete files and
-holds them to the GPU suite's bar (:mod:`vllm_gdn_hs.reference`): HF in fp32 is the truth,
-and each file's error against it may be at most GROSS_FACTOR x HF bf16's, the sample's
-pooled error at most BAR_FACTOR x.
-
-A file's rows depend only on the tokens up to theirs, so each file is judged on its first
-``max_tokens`` tokens. Files are read without their lock: a file still to be read by the
-trainer stays as it is.
+``check`` alone sees truncated files, NaN/Inf and all-zero rows; a wrong state that is finite
+and not zero (a recycled GDN state, rows shifted by a token, another layer) is only seen
+against the model itself. This holds a sample of the complete files to the GPU suite's bar
+(:mod:`vllm_gdn_hs.reference`), each on its first ``max_tokens`` tokens (a row depends only on
+the tokens up to it). Files are read without their lock: the trainer still finds them.
 """
 
 from __future__ import annotations
@@ -23,24 +17,14 @@ from vllm_gdn_hs.files import hidden_states_of
 
 def sample(paths: list[str], n: int) -> list[str]:
     """``n`` of ``paths`` spread evenly over them (all of them if there are no more)."""
-    if len(paths) <= n:
-        return list(paths)
-    return [paths[i * len(paths) // n] for i in range(n)]
+    return list(paths) if len(paths) <= n else [paths[i * len(paths) // n] for i in range(n)]
 
 
 def _read(path: str, max_tokens: int) -> dict:
-    """One file's tensors, its first ``max_tokens`` tokens only read."""
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
         return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-
-
-def model_folder(model: str) -> str | None:
-    """A model folder, or a HF hub id's snapshot in the local cache (nothing is downloaded)."""
-    from vllm_gdn_hs.model_info import cached_model_folder
-
-    return model if os.path.isdir(model) else cached_model_folder(model)
 
 
 def run_spot_check(
@@ -55,10 +39,10 @@ def run_spot_check(
     """A sample of ``complete_paths`` (the files ``check.scan`` found complete under ``root``)
     against HF transformers on ``model``. 0: the sample is within the bar; 1: a file or the
     pooled sample is not; 2: bad input."""
-    from vllm_gdn_hs.model_info import read_model_info, validate_layer_ids
+    from vllm_gdn_hs.model_info import cached_model_folder, read_model_info, validate_layer_ids
     from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
 
-    folder = model_folder(model)
+    folder = model if os.path.isdir(model) else cached_model_folder(model)
     if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
         print(
             f"error: {model} is no model folder with a config.json, nor a HF hub id in the local "

@@ -36,7 +36,6 @@ from vllm_gdn_hs.reference import (
     BAR_FACTOR,
     GROSS_FACTOR,
     HFReference,
-    describe,
     describe_pooled,
     file_problems,
     relative_errors,
@@ -54,6 +53,18 @@ BAR = (
 BASE_LENS = [1, 17, 100, 700]
 BATCH_TOKENS = 32768  # HF reference tokens a pass (tiny models)
 RESULTS: dict = {}
+
+
+def describe(worst: dict) -> str:
+    """One line for a :func:`~vllm_gdn_hs.reference.worst_by_layer` result, for the log."""
+    if not worst:
+        return "no file to compare"
+    return (
+        f"max rel err vs HF fp32 {worst['max_rel_err_vs_fp32']:.4f} "
+        f"(HF bf16 {worst['max_hf_bf16_err_vs_fp32']:.4f}), worst ratio to HF bf16's in one "
+        f"file {worst['worst_ratio']:.3f} (per-file bound {GROSS_FACTOR}); by layer "
+        f"{worst['rel_err_vs_fp32_by_layer']} (HF bf16 {worst['hf_bf16_err_vs_fp32_by_layer']})"
+    )
 
 
 def _prompts(seed: int, lens: list[int]) -> list[list[int]]:

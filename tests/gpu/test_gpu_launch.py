@@ -21,11 +21,11 @@ import urllib.request
 
 import launched
 import pytest
-from test_gpu_extract import assert_pooled, pooled_figures
+from test_gpu_extract import assert_pooled, describe, pooled_figures
 from tiny_models import build_tiny_hybrid
 
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import HFReference, describe, describe_pooled, worst_by_layer
+from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
 
 pytestmark = pytest.mark.gpu
 

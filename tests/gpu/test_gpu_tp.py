@@ -32,6 +32,7 @@ from test_gpu_extract import (  # noqa: F401
     RESULTS,
     _generate,
     assert_pooled,
+    describe,
     engine,
     models,
     pooled_figures,
@@ -50,7 +51,7 @@ from test_gpu_launch import (  # noqa: F401
 )
 
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import describe, describe_pooled, relative_errors, worst_by_layer
+from vllm_gdn_hs.reference import describe_pooled, relative_errors, worst_by_layer
 
 pytestmark = [
     pytest.mark.gpu,
