@@ -6,13 +6,16 @@ from collections.abc import Iterator
 from importlib import metadata
 
 from vllm_gdn_hs.host import host_memory_checks, storage_checks
+from vllm_gdn_hs.version import installed
 
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+Row = tuple[str, str, str | None]  # (item, value, problem or None)
+SKIPPED = "skipped (needs "
+# hs-connectors' Mooncake wheels: each installs the package "mooncake"
+MOONCAKE_WHEELS = (
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine",
+)
 
 
 def _compress(ids: list[int]) -> str:
@@ -27,20 +30,11 @@ def _compress(ids: list[int]) -> str:
     return ",".join(parts) or "-"
 
 
-# hs-connectors' Mooncake wheels: each installs the package "mooncake"
-MOONCAKE_WHEELS = (
-    "mooncake-transfer-engine-non-cuda",
-    "mooncake-transfer-engine-cuda13",
-    "mooncake-transfer-engine",
-)
-
-
-def mooncake_checks(master: str) -> list[tuple[str, str, str | None]]:
-    """The mooncake backends' needs on this host: a Mooncake wheel that loads, and the master
-    at ``master`` (host:port) answering. For the servers and the trainers alike."""
+def mooncake_checks(master: str) -> list[Row]:
+    """A Mooncake wheel that loads, and the master at ``master`` (host:port) answering."""
     from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
-    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := _version(d))]
+    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := installed(d))]
     problem = None
     if not wheels:
         problem = (
@@ -54,8 +48,7 @@ def mooncake_checks(master: str) -> list[tuple[str, str, str | None]]:
             problem = f"{e}: apt-get install -y libibverbs1 (Debian/Ubuntu)"
     rows = [("mooncake", ", ".join(wheels) or "not installed", problem)]
     try:
-        options = MooncakeOptions(master_server_address=master)
-        check_master(options)
+        check_master(MooncakeOptions(master_server_address=master))
         rows.append(("mooncake master", f"{master} answers", None))
     except ValueError as e:  # a malformed address, or none listening
         msg = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
@@ -76,22 +69,18 @@ def model_runner() -> str:
     return runner_in_use()
 
 
-SKIPPED = "skipped (needs "
-
-
 def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], list[str]]:
     """Files inside packages that two or more installed distributions claim (their
-    ``RECORD``s), by the claiming distributions. One wheel has then overwritten the other's
-    files, and which one won depends on the unpacking order: cuda-python < 12.8 carries
-    cuda.bindings' own files, which break torch's cuda-bindings 13 when they win."""
+    ``RECORD``s), by the claiming distributions. Which wheel's copy won depends on the
+    unpacking order: cuda-python < 12.8 carries cuda.bindings' own files, which break torch's
+    cuda-bindings 13 when they win."""
     owners: dict[str, set[str]] = {}
     for dist in metadata.distributions(**({"path": path} if path else {})):
-        name = dist.metadata["Name"]
         for f in dist.files or ():
             file = str(f)
             # top-level loose modules (build tools' build_backend.py) are no package's files
             if "/" in file and ".dist-info/" not in file and not file.startswith(".."):
-                owners.setdefault(file, set()).add(name)
+                owners.setdefault(file, set()).add(dist.metadata["Name"])
     clashes: dict[tuple[str, ...], list[str]] = {}
     for file, names in owners.items():
         if len(names) > 1 and not file.endswith(".pyc"):
@@ -99,7 +88,7 @@ def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], li
     return clashes
 
 
-def install_checks() -> list[tuple[str, str, str | None]]:
+def install_checks() -> list[Row]:
     """No two distributions own the same file: the row ``.ci/run`` and a user's doctor share."""
     rows = [
         (
@@ -117,7 +106,7 @@ def install_checks() -> list[tuple[str, str, str | None]]:
     return rows or [("installed files", "one owner each", None)]
 
 
-def model_checks(model: str) -> tuple[list[tuple[str, str, str | None]], int | None]:
+def model_checks(model: str) -> tuple[list[Row], int | None]:
     """The model's rows and its hidden size (None where its config cannot be read)."""
     from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
 
@@ -137,7 +126,7 @@ def model_checks(model: str) -> tuple[list[tuple[str, str, str | None]], int | N
     ], info.hidden_size
 
 
-def vllm_checks() -> list[tuple[str, str, str | None]]:
+def vllm_checks() -> list[Row]:
     """vLLM, the plugin's loading through vLLM's own loader, its patches and runner; a check
     whose prerequisite failed says ``skipped (needs ...)``."""
     from vllm_gdn_hs.version import (
@@ -149,7 +138,6 @@ def vllm_checks() -> list[tuple[str, str, str | None]]:
         is_untested,
     )
 
-    rows = []
     vllm_v = installed_vllm()
     try:
         check_vllm()
@@ -157,24 +145,24 @@ def vllm_checks() -> list[tuple[str, str, str | None]]:
     except UnsupportedVllmError as e:
         problem = str(e)
     untested = f" (untested, run with {ALLOW_UNTESTED}=1)" if vllm_v and is_untested() else ""
-    rows.append(("vllm", f"{vllm_v}{untested}" if vllm_v else "not installed", problem))
-    rows.append(("supported vllm", describe_releases(), None))
+    rows: list[Row] = [
+        ("vllm", f"{vllm_v}{untested}" if vllm_v else "not installed", problem),
+        ("supported vllm", describe_releases(), None),
+    ]
     for dist in ("torch", "transformers"):
-        v = _version(dist)
+        v = installed(dist)
         rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))
-    plugin = "plugin via vllm.general_plugins"
+    plugin, later = "plugin via vllm.general_plugins", ("runtime patches", "model runner")
     if problem is not None:
-        needs = SKIPPED + "a supported vllm)"
-        return [*rows, (plugin, needs, None), ("runtime patches", needs, None),
-                ("model runner", needs, None)]  # fmt: skip
+        return rows + [(item, SKIPPED + "a supported vllm)", None) for item in (plugin, *later)]
     try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.plugins import load_general_plugins
 
-        load_general_plugins()
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
         from vllm_gdn_hs.names import CONNECTOR_NAME
+        from vllm_gdn_hs.patch import apply_patches
 
+        load_general_plugins()
         if CONNECTOR_NAME not in KVConnectorFactory._registry:
             raise RuntimeError(
                 "vLLM's plugin loader did not find vllm_gdn_hs: install the package into this "
@@ -182,18 +170,14 @@ def vllm_checks() -> list[tuple[str, str, str | None]]:
                 "PYTHONPATH is not enough"
             )
         rows.append((plugin, "found", None))
-        from vllm_gdn_hs.patch import apply_patches
-
         rows.append(("runtime patches", ", ".join(apply_patches()) or "none needed", None))
     except Exception as e:  # report, don't crash: this is the diagnostic tool
-        needs = SKIPPED + "the plugin)"
-        return [*rows, (plugin, "no", f"{type(e).__name__}: {e}"),
-                ("runtime patches", needs, None), ("model runner", needs, None)]  # fmt: skip
-    rows.append(("model runner", model_runner(), None))
-    return rows
+        rows.append((plugin, "no", f"{type(e).__name__}: {e}"))
+        return rows + [(item, SKIPPED + "the plugin)", None) for item in later]
+    return [*rows, ("model runner", model_runner(), None)]
 
 
-def gpu_checks() -> list[tuple[str, str, str | None]]:
+def gpu_checks() -> list[Row]:
     try:
         import torch
 
@@ -207,10 +191,10 @@ def iter_checks(
     model: str | None = None,
     hidden_states_path: str | None = None,
     mooncake_master: str | None = None,
-) -> Iterator[list[tuple[str, str, str | None]]]:
-    """Groups of (item, value, problem-or-None) rows, the fast ones first: the model's (a
-    hub id that cannot be reached fails in seconds), then the install and vLLM (which
-    imports vLLM), the GPU, host memory, the folder and the Mooncake master."""
+) -> Iterator[list[Row]]:
+    """Groups of rows, the fast ones first: the model's (a hub id that cannot be reached fails
+    in seconds), then the install and vLLM (which imports vLLM), the GPU, host memory, the
+    folder and the Mooncake master."""
     hidden_size = None
     if model:
         rows, hidden_size = model_checks(model)
@@ -225,13 +209,9 @@ def iter_checks(
         yield mooncake_checks(mooncake_master)
 
 
-def checks(
-    model: str | None = None,
-    hidden_states_path: str | None = None,
-    mooncake_master: str | None = None,
-) -> list[tuple[str, str, str | None]]:
-    """Every (item, value, problem-or-None) row."""
-    return [row for rows in iter_checks(model, hidden_states_path, mooncake_master) for row in rows]
+def checks(*args: str | None) -> list[Row]:
+    """Every row of :func:`iter_checks`."""
+    return [row for rows in iter_checks(*args) for row in rows]
 
 
 def run_doctor(
@@ -240,12 +220,11 @@ def run_doctor(
     mooncake_master: str | None = None,
 ) -> int:
     """Print each group of rows as soon as it is known; exit 1 if any row failed."""
-    width = 40
     problems = []
     for rows in iter_checks(model, hidden_states_path, mooncake_master):
         for item, value, problem in rows:
             mark = "FAIL" if problem else "skip" if value.startswith(SKIPPED) else "ok"
-            print(f"{mark:4}  {item:<{width}}  {value}", flush=True)
+            print(f"{mark:4}  {item:<40}  {value}", flush=True)
             if problem:
                 print(f"fix {item.strip()}: {problem}", flush=True)
                 problems.append(item.strip())
