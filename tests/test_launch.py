@@ -364,7 +364,7 @@ def test_build_command_with_given_info(hybrid):
     from vllm_gdn_hs.model_info import read_model_info
 
     args = launch.parse_args(["served-name", "--", "--seed", "1"])
-    cmd = launch.build_command(args, read_model_info(hybrid))
+    cmd = launch.build_plan(args, read_model_info(hybrid)).command
     assert cmd[4] == "served-name"
     assert spec_ids(cmd) == [2, 4, 5, 8]
     assert tail(cmd) == ["--no-enable-prefix-caching", "--language-model-only", "--seed", "1"]
@@ -742,7 +742,7 @@ def test_cli_launch_error(hybrid):
 
 def test_triton_gdn_prefill_without_flashinfer(hybrid, monkeypatch):
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
-    cmd = launch.build_command(launch.parse_args([hybrid]))
+    cmd = launch.build_plan(launch.parse_args([hybrid])).command
     i = cmd.index("--additional-config")
     assert json.loads(cmd[i + 1]) == {"gdn_prefill_backend": "triton"}
 
@@ -750,7 +750,7 @@ def test_triton_gdn_prefill_without_flashinfer(hybrid, monkeypatch):
 def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     user = '{"gdn_prefill_backend": "flashinfer"}'
-    cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
+    cmd = launch.build_plan(launch.parse_args([hybrid, "--", "--additional-config", user])).command
     assert cmd.count("--additional-config") == 1
     assert cmd[cmd.index("--additional-config") + 1] == user
 
@@ -758,10 +758,10 @@ def test_triton_gdn_prefill_user_additional_config_wins(hybrid, monkeypatch):
 def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monkeypatch, capsys):
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
     user = '{"some_key": 1}'
-    cmd = launch.build_command(launch.parse_args([hybrid, "--", "--additional-config", user]))
+    cmd = launch.build_plan(launch.parse_args([hybrid, "--", "--additional-config", user])).command
     assert cmd.count("--additional-config") == 1  # the user's JSON is passed on as given
     assert 'add "gdn_prefill_backend": "triton" to it' in capsys.readouterr().err
-    launch.build_command(
+    launch.build_plan(
         launch.parse_args([hybrid, "--", "--additional-config", '{"gdn_prefill_backend": "x"}'])
     )
     assert "warning" not in capsys.readouterr().err
@@ -769,7 +769,7 @@ def test_user_additional_config_without_gdn_backend_gets_a_warning(hybrid, monke
 
 def test_no_gdn_backend_flag_for_dense_models(dense, monkeypatch):
     monkeypatch.setattr(serve_args, "_has_flashinfer", lambda: False)
-    assert "--additional-config" not in launch.build_command(launch.parse_args([dense]))
+    assert "--additional-config" not in launch.build_plan(launch.parse_args([dense])).command
 
 
 def test_untested_vllm_refused_unless_allowed_then_the_command_carries_it(

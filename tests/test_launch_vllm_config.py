@@ -16,7 +16,7 @@ from vllm_gdn_hs.names import CONNECTOR_NAME
 
 
 def _vllm_config(argv):
-    cmd = launch.build_command(launch.parse_args(argv))
+    cmd = launch.build_plan(launch.parse_args(argv)).command
     i = cmd.index("serve")
     args = harness.serve_parser().parse_args(cmd[i + 2 :])
     args.model = cmd[i + 1]  # `vllm serve MODEL`: the subcommand's positional

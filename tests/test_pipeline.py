@@ -165,7 +165,7 @@ def test_server_command_is_accepted_by_our_launcher_and_vllm(hybrid_model, backe
 
     cmd = pipeline.server_command(hybrid_model, "/data/hs", 8123, backend)
     assert cmd[1:4] == ["-m", "vllm_gdn_hs.cli", "launch"]
-    serve = launch.build_command(launch.parse_args(cmd[4:]))
+    serve = launch.build_plan(launch.parse_args(cmd[4:])).command
     assert serve[3:5] == ["serve", hybrid_model]
     args = serve_parser().parse_args(serve[4:])
     assert args.port == 8123 and args.enforce_eager and args.language_model_only

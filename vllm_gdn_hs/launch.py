@@ -1,19 +1,12 @@
 """Start ``vllm serve`` for hidden-state extraction: a drop-in for speculators' launcher.
 
-Mirrors speculators' ``scripts/launch_vllm.py`` (0.9.0): the same options,
-defaults, layer ids and command, with these differences:
-
-- the KV connector is ``HybridHiddenStatesConnector`` instead of
-  ``ExampleHiddenStatesConnector``, so GDN hybrid models (Qwen3.5/3.6) work with
-  vLLM's hybrid KV cache manager on;
-- it adds ``--no-enable-prefix-caching`` (the connector needs every prompt token
-  run through the model), and ``--language-model-only`` for multimodal
-  checkpoints, unless the user passed those flags after ``--``;
-- the printed command is shell-quoted (``shlex.join``), and bad input or a flag
-  that contradicts extraction fails before vLLM starts, with a message;
-- a ``--kv-transfer-config`` after ``--`` (a JSON object, or vLLM's dotted form
-  ``--kv-transfer-config.kv_connector_extra_config.write_workers=8``) is merged into the
-  launcher's, to tune the connector; its options are checked before vLLM starts.
+speculators' ``scripts/launch_vllm.py`` (0.9.0): the same options, defaults, layer ids and
+command, except that the connector is ``HybridHiddenStatesConnector`` (GDN hybrid models run
+with vLLM's hybrid KV cache manager on); ``--no-enable-prefix-caching`` and, for multimodal
+checkpoints, ``--language-model-only`` are added unless given after ``--``; the printed
+command is shell-quoted; bad input or a flag that contradicts extraction fails before vLLM
+starts; and a ``--kv-transfer-config`` after ``--`` (JSON, or vLLM's dotted form) is merged
+into the launcher's, its options checked.
 """
 
 from __future__ import annotations
@@ -161,8 +154,7 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What the launcher runs: the ``vllm serve`` command, the environment it adds, and the
-    two configs the command carries."""
+    """The ``vllm serve`` command, the environment it adds, and the configs it carries."""
 
     command: list[str]
     env: dict[str, str]
@@ -206,13 +198,7 @@ def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> Launc
     return LaunchPlan(command, env, spec, kv)
 
 
-def build_command(args: argparse.Namespace, info: ModelInfo | None = None) -> list[str]:
-    """The ``vllm serve`` command of :func:`build_plan`."""
-    return build_plan(args, info).command
-
-
 def gpu_visible() -> bool:
-    """Whether torch sees a GPU here (CUDA_VISIBLE_DEVICES applies)."""
     import torch
 
     return torch.cuda.is_available()

@@ -31,22 +31,13 @@ class ModelInfo:
     layer_types: tuple[str, ...]
     multimodal: bool
 
-    @property
-    def linear_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t in _LINEAR]
+    def _of(self, types: set[str]) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t in types]
 
-    @property
-    def full_attention_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t in _FULL]
-
-    @property
-    def sliding_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t in _SLIDING]
-
-    @property
-    def is_hybrid(self) -> bool:
-        """True when the model mixes linear attention (GDN/Mamba) with attention."""
-        return bool(self.linear_layers)
+    linear_layers = property(lambda self: self._of(_LINEAR))
+    full_attention_layers = property(lambda self: self._of(_FULL))
+    sliding_layers = property(lambda self: self._of(_SLIDING))
+    is_hybrid = property(lambda self: bool(self.linear_layers))  # linear attention (GDN/Mamba)
 
 
 # One probe of the hub, without retries: a machine without network says so at once.
@@ -73,9 +64,7 @@ def write_config(model: str, folder: str) -> str:
             f"`hf download {model} config.json --local-dir {folder}`, with network"
         )
     os.makedirs(folder, exist_ok=True)
-    dst = os.path.join(folder, "config.json")
-    shutil.copyfile(src, dst)
-    return dst
+    return shutil.copyfile(src, os.path.join(folder, "config.json"))
 
 
 def hub_fix(model: str) -> str:
@@ -103,9 +92,8 @@ def cached_model_folder(model: str) -> str | None:
 
 
 def _probe_hub(model: str) -> None:
-    """One request for the config's metadata, no retries: a hub that cannot be reached, or
-    that does not serve ``model``, raises ModelConfigError naming the fix at once (hub
-    downloads retry for about 20 s before they fail)."""
+    """One request for the config's metadata, no retries (hub downloads retry for about 20 s):
+    a hub that cannot be reached or serve ``model`` raises ModelConfigError at once."""
     import inspect
 
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
@@ -222,27 +210,18 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     return [2, n // 2, n - 3, n]
 
 
-def parse_layer_ids(text: str) -> list[int]:
-    """Layer ids as typed: integers separated by commas, spaces or both ("1,16,31", "1 16 31",
-    "1, 16"); their range is the model's (:func:`validate_layer_ids`)."""
-    try:
-        return [int(x) for x in text.replace(",", " ").split()]
-    except ValueError:
-        raise ValueError(
-            f"{text!r}: give integer layer ids separated by spaces or commas, e.g. 1 16 31 or "
-            "1,16,31"
-        ) from None
-
-
 def layer_ids_arg(text: str) -> list[int]:
-    """An argparse ``type`` for layer ids given with spaces or commas (with ``nargs="+"``, then
-    :func:`flat`): ``--layer-ids 1,16,31`` and ``--layer-ids 1 16 31`` are the same."""
+    """An argparse ``type`` for layer ids separated by commas, spaces or both (with
+    ``nargs="+"``, then :func:`flat`): ``1,16,31``, ``1 16 31`` and ``1, 16, 31`` are the same."""
     import argparse
 
     try:
-        return parse_layer_ids(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give integer layer ids separated by spaces or commas, e.g. 1 16 31 or "
+            "1,16,31"
+        ) from None
 
 
 def flat(lists: list[list[int]] | None) -> list[int] | None:

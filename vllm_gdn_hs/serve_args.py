@@ -148,12 +148,11 @@ def _has_flashinfer() -> bool:
 
 
 # -- shutdown: time for the answered requests' files -----------------------------------------
-# On SIGINT/SIGTERM vLLM's API server stops its engine core processes: SIGTERM, then SIGKILL
-# after a wait. With --shutdown-timeout 0 (vLLM's default: abort what is running) that wait is
-# 0 s on 0.33.0 and 0.34.0 unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, and 5 s on
-# 0.20.1, which does not read that variable there. With the connector configured the plugin
-# turns --shutdown-timeout 0 into shutdown_window() itself (patch/shutdown.py: vLLM's drain
-# mode); the launcher's flags and environment say the same for the worker processes.
+# On SIGINT/SIGTERM vLLM's API server SIGTERMs its engine core processes, then SIGKILLs them
+# after a wait: with --shutdown-timeout 0 (vLLM's default), 0 s on 0.33.0 and 0.34.0 unless
+# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, 5 s on 0.20.1, which ignores it. The plugin
+# turns that 0 into shutdown_window() (patch/shutdown.py); the launcher's flags and environment
+# say the same for the worker processes.
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 TEARDOWN_S = 30
 
@@ -175,8 +174,8 @@ def shutdown_window(drain_s: float) -> int:
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
     """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``: how long vLLM waits for its engine core (0.33.0
-    on) and worker processes after SIGTERM; running requests are still aborted at once. What
-    the user set is kept, with a warning if it is shorter than :func:`shutdown_window`."""
+    on) and worker processes after SIGTERM. What the user set is kept, with a warning if it is
+    shorter than :func:`shutdown_window`."""
     window = shutdown_window(drain_s)
     environ = os.environ if environ is None else environ  # now, not at import
     if SHUTDOWN_ENV not in environ:
@@ -188,8 +187,8 @@ def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
 
 def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
     """``--shutdown-timeout`` where vLLM does not wait ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
-    for its engine core (0.20.1: running requests then finish first, within the same window);
-    nothing if the user passed it (a warning if it is shorter than :func:`shutdown_window`)."""
+    for its engine core (0.20.1); nothing if the user passed it (a warning if it is shorter than
+    :func:`shutdown_window`)."""
     window = shutdown_window(drain_s)
     user = _last_value(vllm_args, {"--shutdown-timeout"})
     if user is not None:
