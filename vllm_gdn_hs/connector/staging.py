@@ -68,36 +68,37 @@ class HostSlot:
         self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
-        """Start copying one layer's rows [tokens, H] into a layer-major slot, on the ring's
-        side stream once the compute stream has made them, so the forward pass does not wait
-        for the copy; ``record_stream`` keeps the allocator from reusing ``rows`` before the
-        copy is done, so the caller may drop them at once. On CPU, a plain copy."""
-        stream, layers = self.ring.stream, self.layers
-        assert layers is not None, "a slot taken layer-major"
-        if stream is None or not rows.is_cuda:
-            layers[column].copy_(rows)
-            return
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layers[column].copy_(rows, non_blocking=True)
-        rows.record_stream(stream)
+        """Start copying one layer's rows [tokens, H] into a layer-major slot (the caller may
+        drop them at once: see :func:`_side_copy`)."""
+        assert self.layers is not None, "a slot taken layer-major"
+        _side_copy(self.ring.stream, [(self.layers[column], rows)])
 
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
         """The norms and positions of a layer-major slot, after its layers, on the same side
         stream; ``copied`` then marks all of the slot's copies done."""
-        stream, copied = self.ring.stream, self.copied
-        if stream is None or copied is None:
-            self.norms.copy_(norms)
-            self.positions.copy_(positions)
-            return
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.norms.copy_(norms, non_blocking=True)
-            self.positions.copy_(positions, non_blocking=True)
-            copied.record(stream)
-        for t in (norms, positions):  # made on the compute stream, read on the side stream
-            if t.is_cuda:
-                t.record_stream(stream)
+        _side_copy(
+            self.ring.stream, [(self.norms, norms), (self.positions, positions)], self.copied
+        )
+
+
+def _side_copy(stream, pairs, done=None, keep=()) -> None:
+    """Copy each (host, GPU) pair on the side ``stream`` once the compute stream has made the
+    GPU tensors, so that the compute stream does not wait for the copy; ``record_stream`` keeps
+    them (and ``keep``) from being reused before the copies end, and the event ``done`` marks
+    the end. Without a stream or on CPU tensors, plain copies."""
+    if stream is None or not pairs[0][1].is_cuda:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        if done is not None:
+            done.record(stream)
+    for t in (*(src for _, src in pairs), *keep):
+        if t.is_cuda:
+            t.record_stream(stream)
 
 
 class HostRing:
@@ -192,18 +193,6 @@ class HostRing:
         slot and the seconds waited for room."""
         slot, waited = self.take(hidden_states.shape[0])
         rows, norms = rows_and_norms(hidden_states, self.fp8)
-        if self.stream is None:
-            slot.hidden_states.copy_(rows)
-            slot.norms.copy_(norms)
-            slot.positions.copy_(positions)
-        else:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
-                slot.hidden_states.copy_(rows, non_blocking=True)
-                slot.norms.copy_(norms, non_blocking=True)
-                slot.positions.copy_(positions, non_blocking=True)
-                slot.copied.record(self.stream)  # type: ignore[union-attr]  # made with CUDA
-            # Made on the compute stream, read on this one: not reused before the copies end.
-            for t in (hidden_states, rows, norms, positions):
-                t.record_stream(self.stream)
+        pairs = [(slot.hidden_states, rows), (slot.norms, norms), (slot.positions, positions)]
+        _side_copy(self.stream, pairs, slot.copied, keep=(hidden_states,))
         return slot, waited
