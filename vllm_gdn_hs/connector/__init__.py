@@ -1,16 +1,12 @@
 """HybridHiddenStatesConnector: hidden states streamed out of the GPU every step.
 
-Mirrors vLLM's ``ExampleHiddenStatesConnector`` (same request, file and
-``kv_transfer_params`` contract, the one speculators reads) but never keeps hidden states in
-the paged KV cache, and subclasses ``SupportsHMA`` so GDN hybrid models (Qwen3.5/3.6) run with
-the hybrid KV cache manager on. Like vLLM's ``OffloadingConnector`` it is a thin facade that
-hands each call to its side:
-
-:mod:`.scheduler` (where each request's hidden states go, and its token ids once it
-finished), :mod:`.worker` (each step's rows from the GPU to the storage, :mod:`.worker` says
-through what), :mod:`.metadata` (what the scheduler side tells the worker side each step) and
-:mod:`.checks` (the startup checks). The runner patches hand over each step's rows through
-:class:`vllm_gdn_hs.hook.TakesHiddenStates`, which this class implements.
+vLLM's ``ExampleHiddenStatesConnector`` contract (request, file and ``kv_transfer_params``,
+the one speculators reads), but hidden states never live in the paged KV cache, and
+``SupportsHMA`` lets GDN hybrid models (Qwen3.5/3.6) run with the hybrid KV cache manager on.
+A thin facade, as vLLM's ``OffloadingConnector``: :mod:`.scheduler` decides where each
+request's hidden states go, :mod:`.worker` moves each step's rows from the GPU to the storage,
+:mod:`.metadata` is what the first tells the second each step, :mod:`.checks` the startup
+checks. The runner patches hand the rows over through :class:`vllm_gdn_hs.hook.TakesHiddenStates`.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from vllm_gdn_hs.connector.metadata import (
 )
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
 from vllm_gdn_hs.connector.staging import rows_and_norms
-from vllm_gdn_hs.connector.stats import HiddenStatesPromMetrics, kv_connector_stats
+from vllm_gdn_hs.connector.stats import HiddenStatesKVConnectorStats, HiddenStatesPromMetrics
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.hook import TakesHiddenStates
 
@@ -106,9 +102,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
 
     @staticmethod
     def profile_save_hidden_states(vllm_config: VllmConfig, hidden_states: torch.Tensor) -> None:
-        """The GPU work of :meth:`save_hidden_states` on dummy rows of the largest step, for
-        the runner's ``profile_run`` (before any connector exists): its temporaries then
-        count in the memory vLLM sizes the KV cache from."""
         rows_and_norms(hidden_states, config_from(vllm_config).fp8)
 
     def wants_hidden_states(self) -> bool:
@@ -157,15 +150,14 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             self._worker = None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The writer's counters since the last call (files, bytes, failures, host cost) and
-        its gauges that moved, for vLLM's stats loggers; None when nothing changed."""
-        if self._worker is None:
-            return None
-        return kv_connector_stats(self._worker.interval_stats())
+        """The writer's counters since the last call and its gauges that moved, for vLLM's
+        stats loggers; None when nothing changed."""
+        data = self._worker.interval_stats() if self._worker is not None else None
+        return HiddenStatesKVConnectorStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
-        return kv_connector_stats(data, empty=True)
+        return HiddenStatesKVConnectorStats(data=dict(data or {}))
 
     @classmethod
     def build_prom_metrics(
@@ -175,7 +167,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVConnectorPromMetrics | None:
-        """The ``vllm:hidden_states_*`` series of vLLM's ``/metrics`` (:mod:`.stats`)."""
         return HiddenStatesPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )

@@ -1,10 +1,9 @@
 """The drain thread: each step's rows from the host ring into each request's rows, and each
-finished request to the writer.
+finished request to the writer, in the order the engine thread queued them.
 
-The engine thread queues typed tasks; the drain thread runs them in order. Rows are filed by
-token position (a position written again keeps the later row: chunked prefill and preemption
-come out right). A request's place in the storage belongs to its :class:`ActiveRequest` until
-it is handed to the writer or abandoned.
+Rows are filed by token position (a position written again keeps the later row: chunked
+prefill and preemption come out right). A request's place in the storage belongs to its
+:class:`ActiveRequest` until it is handed to the writer or abandoned.
 """
 
 from __future__ import annotations
@@ -36,24 +35,8 @@ class StepRows:
     qsl: list[int]
 
 
-@dataclass(frozen=True)
-class Finish:
-    request: FinishedRequest
-
-
-@dataclass(frozen=True)
-class Flush:
-    """Set ``done`` once every task queued before it has run."""
-
-    done: threading.Event
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The last task: the drain thread ends after it."""
-
-
-Task = StepRows | Finish | Flush | Stop
+# A finished request; an event set once every task queued before it has run; None: the last.
+Task = StepRows | FinishedRequest | threading.Event | None
 
 
 @dataclass(eq=False)
@@ -114,7 +97,6 @@ class Drain:
 
     @property
     def in_flight(self) -> int:
-        """Requests whose rows are being filed."""
         return len(self.requests)
 
     def put(self, task: Task) -> None:
@@ -123,13 +105,13 @@ class Drain:
     def flushed(self, timeout: float) -> bool:
         """Wait until the drain thread has done every task queued before this call."""
         done = threading.Event()
-        self.tasks.put(Flush(done))
+        self.tasks.put(done)
         return done.wait(timeout)
 
     def stop(self, timeout: float) -> bool:
         """Run every queued task, then end the thread; False if it is still busy after
         ``timeout`` s."""
-        self.tasks.put(Stop())
+        self.tasks.put(None)
         self.thread.join(max(timeout, 0))
         return not self.thread.is_alive()
 
@@ -153,11 +135,11 @@ class Drain:
                 match task:
                     case StepRows():
                         self._on_rows(task)
-                    case Finish():
-                        self._on_finish(task.request)
-                    case Flush():
-                        task.done.set()
-                    case Stop():
+                    case FinishedRequest():
+                        self._on_finish(task)
+                    case threading.Event():
+                        task.set()
+                    case None:
                         return
             except Exception:
                 logger.exception(

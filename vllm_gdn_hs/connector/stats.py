@@ -1,8 +1,7 @@
-"""The writer's figures as data: :class:`WriterStats` feeds the progress and shutdown lines,
-the benchmarks and vLLM's stats loggers: its ``KV Transfer metrics`` log line
-(:class:`HiddenStatesKVConnectorStats`) and Prometheus ``/metrics``
-(:class:`HiddenStatesPromMetrics`). The log lines keep their wording: ``benchmarks/logparse.py``
-parses them."""
+"""The writer's figures: :class:`WriterStats` feeds the progress and shutdown lines (whose
+wording ``benchmarks/logparse.py`` parses), the benchmarks, vLLM's ``KV Transfer metrics`` log
+line (:class:`HiddenStatesKVConnectorStats`) and ``/metrics`` (:class:`HiddenStatesPromMetrics`).
+"""
 
 from __future__ import annotations
 
@@ -71,17 +70,14 @@ class WriterStats:
         )
 
     def counters(self) -> dict[str, float]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in self.GAUGES
-        }
+        fields = dataclasses.fields(self)
+        return {f.name: getattr(self, f.name) for f in fields if f.name not in self.GAUGES}
 
 
 class StatsBook:
-    """One :class:`WriterStats` shared by the engine thread, the drain thread and the writers,
-    behind one lock; :meth:`interval` gives the change since its last call (vLLM's connectors
-    report per interval)."""
+    """One :class:`WriterStats` shared by the engine, drain and write threads, behind one lock;
+    :meth:`interval` gives the change since its last call (vLLM's connectors report per
+    interval)."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -111,9 +107,8 @@ class StatsBook:
 
 @dataclass
 class HiddenStatesKVConnectorStats(KVConnectorStats):
-    """The writer's figures over one interval (``data``: a counter's change, a gauge's
-    new value), as vLLM's stats loggers collect them from the worker: counters are summed,
-    a gauge keeps its newest value."""
+    """The writer's figures over one interval (``data``: a counter's change, a gauge's new
+    value): aggregated, counters are summed and a gauge keeps its newest value."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -135,13 +130,6 @@ class HiddenStatesKVConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:  # a gauge back at 0 is news
         return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
-
-
-def kv_connector_stats(
-    data: dict[str, Any] | None, empty: bool = False
-) -> HiddenStatesKVConnectorStats | None:
-    """vLLM's stats object for ``data``; None for no data unless ``empty``."""
-    return HiddenStatesKVConnectorStats(data=dict(data or {})) if data or empty else None
 
 
 # WriterStats field -> the Prometheus series vLLM's /metrics shows it as, and its help text.
@@ -194,9 +182,8 @@ PROM_SERIES = {
 
 
 class HiddenStatesPromMetrics(KVConnectorPromMetrics):
-    """The writer's figures on vLLM's Prometheus ``/metrics``, one child per engine (the
-    labels vLLM gives: model name, engine index). vLLM calls :meth:`observe` with each
-    interval's :class:`HiddenStatesKVConnectorStats` data."""
+    """The writer's figures on ``/metrics``, one child per engine (vLLM's labels: model name,
+    engine index), observed with each interval's :class:`HiddenStatesKVConnectorStats` data."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

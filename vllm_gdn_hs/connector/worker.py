@@ -1,11 +1,10 @@
-"""The connector's worker side: a request's rows from the GPU to its storage.
+"""The connector's worker side (tensor-parallel rank 0): a request's rows from the GPU to its
+storage.
 
-:meth:`save` starts each step's copy into a pinned host slot (:mod:`.staging`) and queues it
-for the drain thread (:mod:`.drain`), which files the rows by request (:mod:`.request_rows`)
-and hands each finished request to the writer (:mod:`.writer`), which stores it
-(:mod:`vllm_gdn_hs.storage`). A failure costs only that request its hidden states: logged once
-with its id, counted (:mod:`.stats`). :meth:`close` drains what is queued within
-``shutdown_drain_s``; a request not written by then is given up and counted.
+:meth:`save` starts each step's copy into a pinned host slot (:mod:`.staging`) for the drain
+thread (:mod:`.drain`), which files the rows by request (:mod:`.request_rows`) and hands each
+finished request to the writer (:mod:`.writer`). A failure costs only that request its hidden
+states (logged with its id, counted). :meth:`close` drains within ``shutdown_drain_s``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import time
 import torch
 
 from vllm_gdn_hs.config import HiddenStatesConfig
-from vllm_gdn_hs.connector.drain import Drain, Finish, StepRows
+from vllm_gdn_hs.connector.drain import Drain, StepRows
 from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
 from vllm_gdn_hs.connector.staging import HostRing
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
@@ -31,9 +30,6 @@ logger = init_logger(__name__)
 
 
 class HybridHiddenStatesConnectorWorker:
-    """The worker side (tensor-parallel rank 0): copies out of the GPU, the drain thread that
-    files rows by request, and the writer that stores finished requests."""
-
     def __init__(
         self,
         cfg: HiddenStatesConfig,
@@ -77,7 +73,7 @@ class HybridHiddenStatesConnectorWorker:
         for req in meta.new_requests:
             self.drain.start_request(req)
         for fin in meta.finished_requests:
-            self.drain.put(Finish(fin))
+            self.drain.put(fin)
 
     def save(
         self,
@@ -129,12 +125,10 @@ class HybridHiddenStatesConnectorWorker:
         return dataclasses.replace(self.book.snapshot(), **self.gauges())
 
     def gauges(self) -> dict[str, int]:
-        """:attr:`WriterStats.GAUGES` now."""
         return {**self.writer.gauges(), "in_flight": self.drain.in_flight}
 
     def interval_stats(self) -> dict[str, float]:
-        """The counters' change since the last call and the gauges that moved (vLLM's
-        ``get_kv_connector_stats``)."""
+        """The counters' change since the last call and the gauges that moved."""
         return self.book.interval(self.gauges())
 
     def log_progress(self, every: float = 30.0) -> None:

@@ -56,7 +56,7 @@ class Writer:
         self.cond = threading.Condition()
         self.backlog_bytes = 0
         self.writing = 0
-        self.deadline: float | None = None  # set by close(): no write starts after it
+        self.deadline: float | None = None  # set by close()
         self.threads = [
             threading.Thread(target=self._loop, name=f"hs-write-{i}", daemon=False)
             for i in range(cfg.write_workers)
@@ -87,16 +87,18 @@ class Writer:
                         break
                     self.cond.wait(left)
                 self.book.add(backlog_waited_s=time.perf_counter() - t0)
-            if self.deadline is not None and time.monotonic() >= self.deadline:
-                late = True
-            else:
-                late = False
+            late = self._late()
+            if not late:
                 self.backlog_bytes += job.nbytes
                 self.writing += 1
         if late:
             self._lost(job, "not written within shutdown_drain_s")
         else:
             self.jobs.put(job)
+
+    def _late(self) -> bool:
+        """Past close()'s deadline: no write starts any more."""
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def gauges(self) -> dict[str, int]:
         """Files queued or being written, and their rows' bytes in host memory."""
@@ -116,7 +118,7 @@ class Writer:
             if job is None:
                 return
             with self.cond:
-                late = self.deadline is not None and time.monotonic() >= self.deadline
+                late = self._late()
                 if not late:
                     self.running.add(job)
             try:
@@ -196,13 +198,10 @@ class Writer:
 
     def _lost(self, job: WriteJob, why: str) -> None:
         self.storage.abandon(job.stored, why)
-        logger.error(
-            "%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, job.stored.req_id, why
-        )
-        self.book.add(lost_at_shutdown=1)
+        failed(self.book, job.stored.req_id, why, counter="lost_at_shutdown")
 
 
-def failed(book: StatsBook, req_id: str, why: str) -> None:
+def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
     """One request got no hidden states: logged once with its id, and counted."""
     logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
-    book.add(failed=1)
+    book.add(**{counter: 1})
