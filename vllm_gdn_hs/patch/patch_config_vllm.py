@@ -5,29 +5,22 @@ Why:
   is set and the user expressed no preference, even for a ``SupportsHMA`` connector; a GDN
   hybrid model (Qwen3.5/3.6) cannot start without HMA.
 - speculators asks for hidden states through the ``extract_hidden_states`` speculative
-  method. Run as speculative decoding it costs a draft layer in the KV cache, one extra GDN
+  method, which as speculative decoding costs a draft layer in the KV cache, one extra GDN
   state block per request (a fifth of the KV cache at 27B, 8k context) and a wasted draft
-  token each decode step; the connector needs only the target model's aux hidden states.
+  token each decode step.
 
-How: before the original ``VllmConfig.__post_init__``, when the configured connector is ours,
-an ``extract_hidden_states`` speculative config is replaced by its layer ids (in
-``kv_connector_extra_config["layer_ids"]``) and dropped. For any ``SupportsHMA`` connector,
-when the user left ``disable_hybrid_kv_cache_manager`` unset and the platform supports HMA,
-it is set to False; every other case follows vLLM's rules. After the original, the
-connector's startup checks run, so a bad configuration fails before any model loads.
+How: before the original ``VllmConfig.__post_init__``, for our connector, an
+``extract_hidden_states`` speculative config is dropped, its layer ids kept in
+``kv_connector_extra_config["layer_ids"]``. For any ``SupportsHMA`` connector, an unset
+``disable_hybrid_kv_cache_manager`` becomes False where the platform supports HMA (not from
+0.26.0, where vLLM decides per connector). After the original, the connector's startup checks
+run, so a bad configuration fails before any model loads. Where vLLM may pick Model Runner V2
+(0.22.0 to 0.33.0) the connector is listed in ``_get_v2_model_runner_unsupported_features``,
+so vLLM keeps V1 and says why, unless ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for V2 where it is
+patched (``version.MODEL_RUNNER_V2_FROM``). 0.34.0 has neither the method nor a choice.
 
-vLLM 0.26.0 decides HMA per connector itself (``KVConnectorFactory.supports_hma_config``),
-so there the HMA part is left out. From 0.22.0 vLLM may pick Model Runner V2 (0.26.0: for
-dense models by default; 0.33.0: for every model; 0.34.0: its only runner). On a release
-with both runners the plugin keeps V1 by default: the patch adds this connector to
-``VllmConfig._get_v2_model_runner_unsupported_features``, so vLLM picks V1 and says why.
-Before ``version.MODEL_RUNNER_V2_FROM`` (0.33.0) ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused
-(vLLM names the connector as unsupported); from it that variable leaves the connector off
-the list and runs V2, whose forward pass ``patch_worker_gpu_model_runner_v2`` reaches.
-0.34.0 has neither the method nor a choice.
-
-Upstream: a first-class "extract hidden states without speculation" mode does not exist
-(0.26.0). Remove when it does. Source twins: ``patches/<vllm version>/0001-*.patch``.
+Upstream: no "extract hidden states without speculation" mode yet. Remove when there is one.
+Source twins: ``patches/<vllm version>/0001-*.patch``.
 """
 
 from __future__ import annotations
@@ -42,8 +35,6 @@ from vllm_gdn_hs.version import model_runner_v2_asked_for
 logger = init_logger(__name__)
 
 _orig_post_init = VllmConfig.__post_init__
-# vLLM 0.22.0 to 0.33.0: Model Runner V2 as a choice vLLM makes, which the plugin answers V1
-# unless VLLM_USE_V2_MODEL_RUNNER=1 asks for V2 where it is patched (0.33.0).
 _orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
 
 

@@ -1,37 +1,30 @@
 """Hand the target model's aux hidden states to the connector after every forward pass.
 
-Why: the connector streams hidden states out of the GPU each step instead of keeping them in
-the paged KV cache, and the config patch drops the ``extract_hidden_states`` speculative
-config (no drafter, no draft tokens, no extra GDN state), so the runner itself asks the model
-for the aux hidden states of the chosen layers and gives them to the connector.
+Why: the config patch drops the ``extract_hidden_states`` speculative config (no drafter, no
+draft tokens, no extra GDN state), so the runner itself asks the model for the aux hidden
+states of the chosen layers and gives them to the connector, which streams them out.
 
-How, only when the connector is configured:
+How, only when the connector is configured (what both runners do is in ``extraction.py``):
 - ``__init__``: ``use_aux_hidden_state_outputs`` on; nothing allocated;
 - ``_get_eagle3_aux_layers_from_config``: the connector's layer ids, for ``load_model``;
-- ``profile_run`` (inside vLLM's memory profiling, which sizes the KV cache): after the
-  original, the hand-over of the largest step is allocated once
-  (:func:`~vllm_gdn_hs.patch.extraction.profile_step`), so the KV cache is sized with it and
-  nothing is held between steps (a buffer held for the engine's lifetime would cost KV cache);
-- ``_model_forward`` (real steps only, never dummy runs): after the original, the aux states
-  of the scheduled tokens are stacked, layers in the configured order, into a fresh tensor
-  (so CUDA-graph outputs and the runner's inputs can be reused at once) and handed, with
-  their positions, request ids and query start locations, to the connector through
-  ``vllm_gdn_hs.hook.TakesHiddenStates`` (ours, alone or inside ``MultiConnector``; on
-  tensor-parallel ranks that do not write, nothing is stacked). The connector copies them on
-  a side stream (``record_stream`` keeps them alive); nothing here waits on the GPU;
-- ``_determine_batch_execution_and_padding``: a step of one-token requests that
-  starts a prompt (a one-token prompt, alone or among decodes) is not a uniform
-  decode batch. vLLM's V1 runner would replay it as a FULL decode CUDA graph, but
-  the GDN backend builds a prompt's first chunk as a prefill (no prior state),
-  which that graph does not run: the request would read a recycled state and get
-  wrong hidden states at every layer. The step runs as a piecewise graph instead.
+- ``profile_run``: after the original, the largest step's hand-over is allocated once, so the
+  KV cache is sized with it and nothing is held between steps;
+- ``_model_forward`` (real steps only): after the original, the scheduled tokens' aux states
+  are stacked, layers in the configured order, into a fresh tensor (CUDA-graph outputs and the
+  runner's inputs are reused at once) and handed to the connector through
+  ``vllm_gdn_hs.hook.TakesHiddenStates``, which copies them on a side stream; nothing here
+  waits on the GPU;
+- ``_determine_batch_execution_and_padding``: a step of one-token requests that starts a
+  prompt is not a uniform decode batch. vLLM would replay it as a FULL decode CUDA graph, but
+  the GDN backend builds a prompt's first chunk as a prefill (no prior state), which that graph
+  does not run: the request would read a recycled state, wrong at every layer. It runs as a
+  piecewise graph instead.
 
-Applied up to vLLM 0.33.0, the last release with this runner (``version.V1_RUNNER_UNTIL``);
-on 0.33.0 only when ``VLLM_USE_V2_MODEL_RUNNER=0`` makes vLLM pick it. What both runners do
-is in ``patch/extraction.py``.
+Applied up to vLLM 0.33.0 (``version.V1_RUNNER_UNTIL``); on 0.33.0 only when vLLM picks this
+runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
 
-Upstream: no equivalent. Remove when vLLM offers hidden-state extraction without speculative
-decoding, or when 0.33.0 leaves the supported releases. Twin: ``patches/*/0004-*.patch``.
+Upstream: no equivalent. Remove when vLLM extracts hidden states without speculative decoding,
+or when 0.33.0 leaves the supported releases. Twin: ``patches/*/0004-*.patch``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,24 @@
 """Hand the aux hidden states to the connector after every forward pass: Model Runner V2.
 
-Why: Model Runner V2 is vLLM's default runner from 0.33.0 and its only one from 0.34.0. It
-returns the aux hidden states only to a drafter, and the config patch drops the speculative
-config, so this runner itself asks the model for the chosen layers and gives them to the
-connector (``version.py`` says which release runs which runner).
+Why: Model Runner V2 (vLLM's default from 0.33.0, its only runner from 0.34.0) returns the
+aux hidden states only to a drafter, and the config patch drops the speculative config, so
+this runner itself asks the model for the chosen layers and gives them to the connector.
 
 How, only when the connector is configured:
-- ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps
-  output buffers for them); nothing allocated;
-- ``load_model``: after the original (which reads the flag as "a drafter's layers", so it
-  is off meanwhile), the model returns the connector's layers
-  (``SupportsEagle3.set_aux_hidden_state_layers``; no drafter), and the layer sink is
+- ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps output
+  buffers for them); nothing allocated;
+- ``load_model``: the original runs with the flag off (it reads it as "a drafter's layers"),
+  then the model returns the connector's layers (``SupportsEagle3``) and the layer sink is
   installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
-- ``profile_run``: after the original, the largest step's hand-over is allocated once, so
-  that the KV cache is sized with it (:func:`~vllm_gdn_hs.patch.extraction.profile_step`;
-  from 0.34.0 the extensible KV cache keeps that run's peak free as transient headroom, and
-  its sizing steps run with the connector disabled);
-- ``execute_model``: after the original, when it ran a real forward pass with the connector
-  on (no dummy run, no kernel warm-up's made-up requests), the scheduled tokens' aux states
-  are handed to the connector with the batch's request ids, query start locations and
-  positions (:func:`~vllm_gdn_hs.patch.extraction.hand_over`), before ``sample_tokens``
-  (whose ``post_forward`` calls ``wait_for_save``), the order the V1 runner keeps.
+- ``profile_run``: after the original, the largest step's hand-over is allocated once, so the
+  KV cache is sized with it (0.34.0's extensible KV cache keeps that peak free as headroom);
+- ``execute_model``: after a real forward pass with the connector on (no dummy run, no
+  warm-up), the scheduled tokens' aux states go to the connector
+  (:func:`~vllm_gdn_hs.patch.extraction.hand_over`) before ``sample_tokens``, whose
+  ``post_forward`` calls ``wait_for_save``: the V1 runner's order.
 
-V2 keeps prefill chunks out of FULL decode CUDA graphs itself (a batch is decode-graph
-eligible only without prefills), so the V1 runner's dispatch guard has no twin here.
+V2 keeps prefill chunks out of FULL decode CUDA graphs itself, so the V1 runner's dispatch
+guard has no twin here.
 
 Upstream: no equivalent; ``patches/upstream/`` proposes the same hand-over through V2's
 ``KVConnector`` interface. Twin: ``patches/*/*-gpu-model-runner-v2-*.patch``.

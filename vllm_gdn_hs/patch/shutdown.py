@@ -4,26 +4,21 @@ Why: with vLLM's default ``--shutdown-timeout 0`` the engine core aborts every r
 at the first signal (their responses carry no ``kv_transfer_params``) and vLLM's process
 manager gives it 0 s (0.33.0 on) or 5 s (before) to write the files already queued.
 
-How, only when ``HybridHiddenStatesConnector`` is configured; every step is vLLM's own drain
-mode (``shutdown_timeout`` > 0: the engine core steps until nothing runs, refuses new
-requests, and is killed ``shutdown_timeout`` s after the signal), which every supported release
-has (0.20.1 to 0.34.0):
+How, only for our connector, through vLLM's own drain mode (``shutdown_timeout`` > 0: the
+engine core steps until nothing runs, refuses new requests, and is killed
+``shutdown_timeout`` s after the signal; in every supported release):
 
-- :func:`set_window` (from ``patch_config_vllm``'s ``VllmConfig.__post_init__``, in the API
-  server before any engine starts): ``shutdown_timeout`` 0 becomes
-  :func:`vllm_gdn_hs.serve_args.shutdown_window`; a shorter one is kept, with a warning.
-- ``EngineCoreProc._handle_shutdown``: the plan is logged at the first signal; running
-  requests get ``shutdown_drain_s`` (less if ``shutdown_timeout`` is short) to finish, then
-  what still runs is aborted as vLLM's abort mode does (its ``finish_requests`` and
-  ``_send_abort_outputs``), the files get ``shutdown_drain_s``; a second signal is logged
-  and the drain goes on.
+- :func:`set_window` (from ``VllmConfig.__post_init__``, in the API server): a
+  ``shutdown_timeout`` of 0 becomes :func:`vllm_gdn_hs.serve_args.shutdown_window`.
+- ``EngineCoreProc._handle_shutdown``: running requests get ``shutdown_drain_s`` (less if
+  ``shutdown_timeout`` is short) to finish, then are aborted as vLLM's abort mode does; the
+  files get ``shutdown_drain_s``; a second signal is logged and the drain goes on.
 - ``EngineCoreProc._send_abort_outputs_to_client``: an aborted or refused request's output
-  carries the connector's ``kv_transfer_params`` (``hidden_states_error``); vLLM's carries none.
+  carries ``hidden_states_error`` (vLLM's carries no ``kv_transfer_params``).
 - ``EngineCoreProc.shutdown``: SIGINT/SIGTERM are logged, not acted on, during the teardown
   (vLLM puts the default handlers back before it, so a signal would kill the writes).
-- ``AsyncLLM.add_request``: once the API server stops its engine client, new requests get
-  HTTP 503 (vLLM's ``GracefulHTTPError``, where the release has it; before, the engine core
-  refuses them, with ``hidden_states_error``).
+- ``AsyncLLM.add_request``: once the API server stops, new requests get HTTP 503 (vLLM's
+  ``GracefulHTTPError``, where the release has it; before, the engine core refuses them).
 
 Not a twin of a source patch in ``patches/``: extraction runs without it.
 """
