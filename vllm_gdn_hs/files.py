@@ -99,24 +99,19 @@ def is_temp(name: str) -> int | None:
 
 def file_mode() -> int:
     """The mode a new file gets under this process's umask (0644 under the usual 022)."""
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
     try:  # read without setting it (os.umask would race with other threads' files)
         with open("/proc/self/status") as f:
-            return next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
+            mask = next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
     except (OSError, StopIteration):
         mask = os.umask(0o022)
         os.umask(mask)
-        return mask
+    return 0o666 & ~mask
 
 
 # -- the lock ----------------------------------------------------------------------------
 def take_lock(path: str) -> int:
-    """Create and ``flock`` ``<path>.lock`` (exclusive); returns its descriptor. Never waits:
-    a lock someone else holds raises BlockingIOError. A missing folder is made again (a
-    cleanup job may have removed it during a run)."""
+    """Create and ``flock`` ``<path>.lock`` (exclusive, never waiting: BlockingIOError if held);
+    returns its descriptor. A missing folder is made again (a cleanup job may have removed it)."""
     lock = path + LOCK_SUFFIX
     flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW
     try:
@@ -135,7 +130,7 @@ def take_lock(path: str) -> int:
 
 
 def make_folder_again(folder: str) -> None:
-    """Make a folder that vanished during a run (logged once each time it is made)."""
+    """Make a folder that vanished during a run (logged each time it is made)."""
     try:
         os.makedirs(folder)
     except FileExistsError:  # another thread made it first
@@ -161,8 +156,7 @@ def release_lock(fd: int | None, path: str, remove: bool) -> None:
 
 def lock_held(lock_path: str) -> bool | None:
     """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
-    shared lock, released at once: a writer taking its exclusive lock meanwhile waits
-    microseconds, it never fails."""
+    shared lock, released at once (a writer taking it meanwhile waits microseconds)."""
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -221,8 +215,8 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 # -- the write ---------------------------------------------------------------------------
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
     """Write atomically: a temp file in the same folder, then rename; mode as the umask gives
-    (safetensors' own temp file is 0600). A missing folder is made again. With ``scales``
-    ([T, 1, 1] fp32), ``hidden_states`` is float8_e4m3fn: hs-connectors' fp8 file."""
+    (safetensors' own temp file is 0600). A missing folder is made again. ``scales`` ([T, 1, 1]
+    fp32): ``hidden_states`` is float8_e4m3fn, hs-connectors' fp8 file."""
     from safetensors.torch import save_file
 
     tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
@@ -246,7 +240,6 @@ def write_file(path, hidden_states, token_ids, scales=None) -> None:
 
 
 # -- the header --------------------------------------------------------------------------
-
 _DTYPE_BYTES = {
     **dict.fromkeys(["BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2"], 1),
     **dict.fromkeys(["I16", "U16", "F16", "BF16"], 2),

@@ -1,9 +1,6 @@
-"""The hook between the patched model runner and the connector that takes its rows.
-
-The runner patches check at startup that the configured connector class implements
-:class:`TakesHiddenStates` (:func:`hidden_states_connector_class`), size the hand-over in
-``profile_run`` and call ``save_hidden_states`` after every forward pass on ranks that want
-rows. Apart from the connector, so that the patches import it without loading the connector.
+"""The hook between the patched model runner and the connector that takes its rows: checked at
+startup (:func:`hidden_states_connector_class`), sized in ``profile_run``, called after every
+forward pass. Apart from the connector, so that the patches import it without loading it.
 """
 
 from __future__ import annotations
@@ -71,8 +68,9 @@ def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     kv = vllm_config.kv_transfer_config
+    subs = (getattr(kv, "kv_connector_extra_config", None) or {}).get("connectors") or ()
     names = [getattr(kv, "kv_connector", None)]
-    names += [c.get("kv_connector") for c in _sub_configs(kv)]
+    names += [c.get("kv_connector") for c in subs if isinstance(c, dict)]
     for name in names:
         if not name:
             continue
@@ -86,8 +84,3 @@ def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
         f"hidden states are extracted but the KV connector {names[0]!r} does not take them "
         f"(no save_hidden_states): {_FIX}"
     )
-
-
-def _sub_configs(kv) -> list[dict]:
-    connectors = (getattr(kv, "kv_connector_extra_config", None) or {}).get("connectors")
-    return [c for c in connectors or () if isinstance(c, dict)]

@@ -3,6 +3,7 @@ the hidden-states folder's room and write speed. No GPU and no vLLM needed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -11,8 +12,7 @@ PROBE_BYTES = 1 << 30  # written, fsync-ed and removed to measure the storage
 
 
 def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
-    """Bytes/s of one sequential write of ``nbytes`` into ``folder``, fsync included, as a
-    file writer does (the probe file is removed)."""
+    """Bytes/s of one sequential write of ``nbytes`` into ``folder``, fsync included."""
     block = os.urandom(1 << 20) * 64  # incompressible, 64 MiB
     blocks = max(nbytes // len(block), 1)
     path = os.path.join(folder, f".vllm-gdn-hs-probe-{os.getpid()}")
@@ -97,24 +97,22 @@ def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int 
 def host_memory_checks(
     proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup"
 ) -> list[tuple[str, str, str | None]]:
-    """Host memory against the writer's default write_backlog_gb: finished requests' rows
-    wait there for their files, on top of the rows of requests in flight. A FAIL only where
-    a memory cgroup caps the job below it (the kernel would kill the server when the
-    backlog fills); free memory on a shared machine moves, so it is only reported."""
+    """Host memory against the writer's default write_backlog_gb (finished requests' rows
+    waiting for their files). A FAIL only where a memory cgroup caps the job below it (the
+    kernel would kill the server when the backlog fills); free memory moves, so it is only
+    reported."""
     from vllm_gdn_hs.config import HiddenStatesConfig
 
     backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
     avail = None
-    try:
-        with open(os.path.join(proc, "meminfo")) as f:
-            avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        pass
+    errors = (OSError, StopIteration, ValueError, IndexError)
+    with contextlib.suppress(*errors), open(os.path.join(proc, "meminfo")) as f:
+        avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
     limit = memory_limit(proc, cgroup_fs)
     known = [x for x in (avail, limit) if x is not None]
-    free = min(known) if known else None
-    if free is None:
+    if not known:
         return [("host memory", "unknown (no /proc/meminfo)", None)]
+    free = min(known)
     value = f"{free / 1e9:,.1f} GB available" + (
         f" (the job's memory cgroup allows {limit / 1e9:,.1f} GB more)" if limit is not None else ""
     )
