@@ -1,16 +1,10 @@
-"""The launcher's hidden-state backends (``--hidden-states-backend``): speculators' names,
-each with its own launcher options, the check of its storage before vLLM starts, and the
+"""The launcher's hidden-state backends (``--hidden-states-backend``, speculators' names): each
+one's launcher options, the check of its storage before vLLM starts, and the
 ``kv_transfer_config`` it gives ``vllm serve``.
 
-- ``file``: one safetensors file per request under ``--hidden-states-path``;
-- ``fp8``: the same files in speculators' fp8 format;
-- ``mooncake``: one object per request in a Mooncake store (``docs/mooncake.md``);
-- ``mooncake-fp8``: those objects in the fp8 layout, read by :mod:`vllm_gdn_hs.train`.
-
 A backend has up to three halves, named ``<backend><side>``: the launcher's ``*Launch`` (here),
-the connector's ``*Storage`` (:mod:`vllm_gdn_hs.storage`: ``file`` and ``fp8`` are
-``FileStorage``, the mooncake ones ``MooncakeStorage``) and the trainer's ``*Train`` (a
-backend of hs-connectors' registry, :mod:`vllm_gdn_hs.train`).
+the connector's ``*Storage`` (:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train``
+(:mod:`vllm_gdn_hs.train`).
 """
 
 from __future__ import annotations
@@ -46,13 +40,12 @@ class FileLaunch:
             help="The directory to save hidden states to. Default '/tmp/hidden_states'",
         )
 
-    @staticmethod
-    def check_storage(args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts (it is made if missing; with
-        --dry-run nothing is made)."""
+    @classmethod
+    def check_storage(cls, args: argparse.Namespace) -> None:
+        """The folder must take files before vLLM starts (made if missing, not with --dry-run)."""
         from vllm_gdn_hs.files import check_storage_path
 
-        path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
+        path = cls.storage_options(args)["shared_storage_path"]
         if why := check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
                 f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
@@ -61,7 +54,6 @@ class FileLaunch:
 
     @classmethod
     def storage_options(cls, args: argparse.Namespace) -> dict:
-        """The connector options naming where the hidden states go."""
         path = os.path.abspath(os.path.expanduser(args.hidden_states_path))
         return {"shared_storage_path": path, **cls.options}
 
@@ -101,17 +93,14 @@ class FileLaunch:
 
 class FP8Launch(FileLaunch):
     """speculators' ``fp8`` backend: the same files with ``hidden_states`` in float8_e4m3fn and
-    one fp32 scale per token (``hidden_states_scales``), read by hs-connectors'
-    ``FP8Transfer``; quantized on the GPU, so the copy out and host memory halve too."""
+    one fp32 scale per token, quantized on the GPU (the copy out and host memory halve too)."""
 
     options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 class MooncakeLaunch(FileLaunch):
-    """speculators' ``mooncake`` backend: one object per request in a Mooncake store, read by
-    hs-connectors' ``MooncakeTransfer``; no shared file system. The same ``--mooncake-*``
-    options, defaults and ``kv_connector_extra_config.mooncake`` as speculators' launcher
-    (hs-connectors' own option definitions)."""
+    """speculators' ``mooncake`` backend: one object per request in a Mooncake store
+    (``docs/mooncake.md``), with hs-connectors' own ``--mooncake-*`` options."""
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +110,7 @@ class MooncakeLaunch(FileLaunch):
 
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
-        """No folder; the master must answer before vLLM starts (not with --dry-run, which
-        needs no network)."""
+        """The master must answer before vLLM starts (not with --dry-run: no network)."""
         if not args.dry_run:
             from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
@@ -152,14 +140,12 @@ class MooncakeLaunch(FileLaunch):
 
 
 class MooncakeFP8Launch(MooncakeLaunch):
-    """``mooncake`` with each object in the fp8 files' layout: half the bytes over the network
-    and in the store. Not one of speculators' backends: the trainers run
-    ``python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8`` (:mod:`.train`)."""
+    """``mooncake`` with objects in the fp8 files' layout (half the bytes); not speculators':
+    the trainers run ``python -m vllm_gdn_hs.train`` (:mod:`.train`)."""
 
     options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
-# Hidden-state backends by --hidden-states-backend name; each adds its own options.
 BACKENDS: dict[str, type[FileLaunch]] = {
     "file": FileLaunch,
     "fp8": FP8Launch,

@@ -108,8 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         help="where the tiny model, its hidden-state files and the reference go",
     )
     args = parser.parse_args(argv)
-    if args.command == "check":
-        args.layer_ids = flat(args.layer_ids)
     if args.command == "doctor":
         from vllm_gdn_hs.doctor import run_doctor
 
@@ -121,25 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":
         from vllm_gdn_hs.check import run_check
+        from vllm_gdn_hs.spot_check import run_spot_check
 
-        if args.reference and not args.layer_ids:
+        ids, ref = flat(args.layer_ids) or [], args.reference
+        if ref and not ids:
             parser.error("--reference needs --layer-ids (the ids the server extracted)")
-        spot = None
-        if args.reference:
-            from functools import partial
 
-            from vllm_gdn_hs.spot_check import run_spot_check
-
-            spot = partial(
-                run_spot_check,
-                args.dir,
-                model=args.reference,
-                layer_ids=args.layer_ids,
-                files=args.files,
-                max_tokens=args.max_tokens,
-                device=args.device,
+        def spot(paths: list[str]) -> int:
+            return run_spot_check(
+                args.dir, paths, ref, ids, args.files, args.max_tokens, args.device
             )
-        return run_check(args.dir, args.rows, args.expect, args.list, spot)
+
+        return run_check(args.dir, args.rows, args.expect, args.list, spot if ref else None)
     from vllm_gdn_hs.demo import run_demo
 
     return run_demo(args.workdir)

@@ -132,52 +132,28 @@ class HiddenStatesKVConnectorStats(KVConnectorStats):
         return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
 
-# WriterStats field -> the Prometheus series vLLM's /metrics shows it as, and its help text.
-# Not exported: ``unfinished`` and ``lost_at_shutdown`` (they change as the server stops, after
-# its last scrape: the shutdown log line has them).
+# WriterStats field -> its series vllm:hidden_states_<name> on /metrics, and its help text. Not
+# exported: unfinished and lost_at_shutdown (they change after the last scrape, as the server
+# stops: the shutdown log line has them).
 PROM_SERIES = {
-    "files": (
-        "vllm:hidden_states_saved_total",
-        "Requests whose hidden states were saved whole: a file with its lock released, or a "
-        "Mooncake object.",
-    ),
-    "bytes": ("vllm:hidden_states_saved_bytes_total", "Bytes of hidden states saved."),
-    "failed": (
-        "vllm:hidden_states_failed_total",
-        "Requests that got no hidden states (a bad row, a write or put error); each is "
-        "logged with its request id.",
-    ),
-    "aborted": (
-        "vllm:hidden_states_aborted_total",
-        "Requests aborted by the client or the engine: no file, no lock.",
-    ),
-    "steps": ("vllm:hidden_states_steps_total", "Forward passes whose rows were saved."),
-    "engine_save_s": (
-        "vllm:hidden_states_engine_save_seconds_total",
-        "Time of the engine thread in the connector's save, waits included.",
-    ),
+    "files": ("saved_total", "Requests whose hidden states were saved whole."),
+    "bytes": ("saved_bytes_total", "Bytes of hidden states saved."),
+    "failed": ("failed_total", "Requests that got no hidden states (each logged with its id)."),
+    "aborted": ("aborted_total", "Requests aborted by the client or the engine."),
+    "steps": ("steps_total", "Forward passes whose rows were saved."),
+    "engine_save_s": ("engine_save_seconds_total", "Time of the engine thread in save()."),
     "engine_waited_s": (
-        "vllm:hidden_states_engine_wait_seconds_total",
-        "Time the engine waited for a free host buffer. Growing: the storage is slower than "
-        "the GPU and holds the engine back.",
+        "engine_wait_seconds_total",
+        "Time the engine waited for a free host buffer (growing: the storage is too slow).",
     ),
-    "drain_s": (
-        "vllm:hidden_states_drain_seconds_total",
-        "Time of the drain thread filing rows into each request's buffer.",
-    ),
+    "drain_s": ("drain_seconds_total", "Time of the drain thread filing rows."),
     "backlog_waited_s": (
-        "vllm:hidden_states_backlog_wait_seconds_total",
+        "backlog_wait_seconds_total",
         "Time the drain thread waited for the write backlog (write_backlog_gb) to shrink.",
     ),
-    "writing": (
-        "vllm:hidden_states_writing",
-        "Finished requests whose file or object is queued or being written.",
-    ),
-    "backlog_bytes": (
-        "vllm:hidden_states_backlog_bytes",
-        "Host memory held by those requests' rows; bounded by write_backlog_gb.",
-    ),
-    "in_flight": ("vllm:hidden_states_in_flight", "Requests whose rows are being collected."),
+    "writing": ("writing", "Finished requests whose file or object is being written."),
+    "backlog_bytes": ("backlog_bytes", "Host memory held by their rows (write_backlog_gb)."),
+    "in_flight": ("in_flight", "Requests whose rows are being collected."),
 }
 
 
@@ -188,7 +164,8 @@ class HiddenStatesPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.per_engine: dict[str, dict[int, Any]] = {}
-        for key, (name, doc) in PROM_SERIES.items():
+        for key, (series, doc) in PROM_SERIES.items():
+            name = f"vllm:hidden_states_{series}"
             if key in WriterStats.GAUGES:
                 metric = self._gauge_cls(
                     name=name,
