@@ -1,11 +1,10 @@
 """``vllm-gdn-hs check DIR``: after (or during) a run, which hidden-state files are sound.
 
-A run of millions of requests should lose nothing silently. This walks the folder and sorts
-every request into: complete, being written (a live writer holds ``<file>.lock``), lost (a
-lock nobody holds and no file: the writer died), or broken (truncated, not the speculators
-layout, a different layer set than the rest of the folder). Temp files of writers that are
-gone are listed too. Only the safetensors header of each file is read (no torch), unless ``--rows``:
-then every row is loaded and put through the connector's own NaN/Inf and all-zero check.
+Every request is sorted into complete, being written (a live writer holds ``<file>.lock``),
+lost (a lock nobody holds and no file: the writer died) or broken (truncated, not the
+speculators layout, another layer set than the rest of the folder); temp files of writers
+that are gone are listed too. Only each file's header is read (no torch), unless ``--rows``:
+then every row goes through the connector's own NaN/Inf and all-zero check.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ TEMP_AGE_S = 600  # a writer renames its temp file within seconds
 
 
 def _stale_temp(path: str, pid: int, now: float) -> str | None:
-    """Why a temp file looks abandoned, or None: ours (``<file>.tmp-<pid>-<tid>``) or
-    safetensors' own (``.tmpXXXXXX``, no pid: age alone). A writer on another host or in
-    another pid namespace has a pid this host cannot see, so age is required as well."""
+    """Why a temp file looks abandoned, or None. Age is required even with a pid (0:
+    safetensors' own temp file): a writer on another host has a pid this one cannot see."""
     try:
         age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
@@ -49,15 +47,14 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's
+        pass
     return True
 
 
 def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
-    """Sort one request (``path`` = its data file); return its layout when it is complete.
-    The folder was listed a moment ago: a live run moves on meanwhile, so anything that looks
-    wrong is looked at again before it is reported."""
+    """Sort one request (``path``: its data file); its layout when it is complete. A live run
+    moves on after the listing: anything that looks wrong is looked at again."""
     held = lock_held(path + LOCK_SUFFIX) if has_lock else False
     if held:
         out["being_written"] += 1

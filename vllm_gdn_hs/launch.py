@@ -99,11 +99,8 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
 
 def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namespace:
     """Launcher options; ``vllm_args`` holds unknown options and everything after ``--``."""
-    argv = list(argv)
-    after: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, after = argv[:cut], argv[cut + 1 :]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, after = list(argv[:cut]), list(argv[cut + 1 :])
     mooncake = any("mooncake" in a for a in argv)  # the backend's name, or its options
     args, unknown = make_parser(prog, mooncake).parse_known_args(argv)
     args.target_layer_ids = flat(args.target_layer_ids)
@@ -118,10 +115,7 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     ids = list(args.target_layer_ids or default_layer_ids(n))
     if args.target_layer_ids and args.include_last_layer and n not in ids:
         ids.append(n)
-    try:
-        ids = validate_layer_ids(ids, n)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
+    ids = validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
             print(
@@ -154,12 +148,10 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """The ``vllm serve`` command, the environment it adds, and the configs it carries."""
+    """The ``vllm serve`` command and the environment it adds."""
 
     command: list[str]
     env: dict[str, str]
-    speculative_config: dict
-    kv_transfer_config: dict
 
 
 def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
@@ -195,7 +187,7 @@ def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> Launc
     env = shutdown_env(drain_s)  # time at shutdown for the answered requests' files
     if is_untested():  # the printed command runs elsewhere too
         env[ALLOW_UNTESTED] = "1"
-    return LaunchPlan(command, env, spec, kv)
+    return LaunchPlan(command, env)
 
 
 def gpu_visible() -> bool:

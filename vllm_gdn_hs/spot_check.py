@@ -20,6 +20,11 @@ def sample(paths: list[str], n: int) -> list[str]:
     return list(paths) if len(paths) <= n else [paths[i * len(paths) // n] for i in range(n)]
 
 
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def _read(path: str, max_tokens: int) -> dict:
     from safetensors import safe_open
 
@@ -44,25 +49,20 @@ def run_spot_check(
 
     folder = model if os.path.isdir(model) else cached_model_folder(model)
     if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
-        print(
-            f"error: {model} is no model folder with a config.json, nor a HF hub id in the local "
-            "cache; pass the served model's folder (or `hf download` it first: the weights too)",
-            file=sys.stderr,
+        return _error(
+            f"{model} is no model folder with a config.json, nor a HF hub id in the local "
+            "cache; pass the served model's folder (or `hf download` it first: the weights too)"
         )
-        return 2
     try:
         validate_layer_ids(layer_ids, read_model_info(folder).num_hidden_layers)
     except ValueError as e:
-        print(
-            f"error: --layer-ids for {model}: {e}; pass the layer ids the server extracted, "
-            "for the model it served",
-            file=sys.stderr,
+        return _error(
+            f"--layer-ids for {model}: {e}; pass the layer ids the server extracted, "
+            "for the model it served"
         )
-        return 2
     chosen = sample(complete_paths, files)
     if not chosen:
-        print(f"error: no complete file under {root} to check", file=sys.stderr)
-        return 2
+        return _error(f"no complete file under {root} to check")
     data, width = {}, set()
     for path in chosen:
         try:
@@ -72,16 +72,13 @@ def run_spot_check(
             data.pop(path, None)
             print(f"  {path}: left out, unreadable ({e or type(e).__name__})")
     if not data:
-        print(f"error: no readable file among the {len(chosen)} sampled", file=sys.stderr)
-        return 2
+        return _error(f"no readable file among the {len(chosen)} sampled")
     if width != {len(layer_ids)}:
-        print(
-            f"error: the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
+        return _error(
+            f"the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
             "pass the layer ids the server extracted (in its order, as the launcher prints "
-            "them)",
-            file=sys.stderr,
+            "them)"
         )
-        return 2
     print(
         f"{len(data)} of the complete files under {root}, first {max_tokens} tokens each, "
         f"against HF transformers ({model}, fp32 then bf16 on {device}, one model at a time: "
@@ -93,8 +90,7 @@ def run_spot_check(
         try:
             ref.precompute([d["token_ids"].tolist() for d in data.values()])
         except (OSError, ValueError) as e:  # no weights, or not this model's
-            print(f"error: HF transformers on {model}: {e}", file=sys.stderr)
-            return 2
+            return _error(f"HF transformers on {model}: {e}")
         bad = 0
         for path, d in data.items():
             result = ref.check(d, d["token_ids"].tolist())
