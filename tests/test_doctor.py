@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from vllm_gdn_hs import doctor, host
+from vllm_gdn_hs import doctor
 from vllm_gdn_hs.doctor import _compress, checks
-from vllm_gdn_hs.version import describe_releases, installed_vllm
+from vllm_gdn_hs.version import describe_releases, installed_vllm, runner_in_use
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
@@ -40,7 +40,7 @@ def test_doctor_table_for_hybrid_model(hybrid_model):
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
     assert installed_vllm().base_version in lines["vllm"] and lines["vllm"].startswith("ok")
-    assert doctor.model_runner() in lines["model runner"]
+    assert runner_in_use() in lines["model runner"]
     assert (
         lines["plugin via vllm.general_plugins"].startswith("ok")
         and "found" in lines["plugin via vllm.general_plugins"]
@@ -107,7 +107,7 @@ def test_doctor_untested_vllm_says_how_to_run_it(monkeypatch, capsys):
 
 
 def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(host, "PROBE_BYTES", 1 << 26)
+    monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
     folder = tmp_path / "hs" / "new"  # made, as the connector makes it
     rows = {
         item.strip(): (value, problem) for item, value, problem in checks(hybrid_model, str(folder))
@@ -174,7 +174,7 @@ def test_doctor_names_the_runner_extraction_runs_on(env, monkeypatch):
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
-    runner = doctor.model_runner()
+    runner = runner_in_use()
     if not has_v1_runner():  # 0.34.0: one runner, whatever the variable says
         assert runner.startswith("Model Runner V2 (the only runner")
     elif runs_model_runner_v2():  # 0.33.0: V1 unless the variable asks for V2
@@ -219,8 +219,8 @@ def test_doctor_host_memory_fails_below_write_backlog_under_a_cgroup_cap(
     from vllm_gdn_hs.config import HiddenStatesConfig
 
     proc, cg = _kernel_files(tmp_path, cgroup_line, files)
-    assert host.memory_limit(proc, cg) == 6_000_000_000
-    ((item, value, problem),) = host.host_memory_checks(proc, cg)
+    assert doctor.memory_limit(proc, cg) == 6_000_000_000
+    ((item, value, problem),) = doctor.host_memory_checks(proc, cg)
     assert item == "host memory" and value.startswith("6.0 GB available"), value
     flag = "--kv-transfer-config.kv_connector_extra_config.write_backlog_gb=3"
     assert problem and flag in problem and "write_backlog_gb=16" in problem, problem
@@ -240,13 +240,13 @@ def test_doctor_host_memory_reported_without_a_cap(tmp_path, cgroup_line, files)
     """No cgroup cap ("max", v1's near-2^63, or none): MemAvailable is reported and never
     fails the doctor, even when low (free memory on a shared machine moves)."""
     proc, cg = _kernel_files(tmp_path, cgroup_line, files, avail_kb=4 << 20)
-    assert host.memory_limit(proc, cg) is None
-    ((_, value, problem),) = host.host_memory_checks(proc, cg)
+    assert doctor.memory_limit(proc, cg) is None
+    ((_, value, problem),) = doctor.host_memory_checks(proc, cg)
     assert value == "4.3 GB available" and problem is None
 
 
 def test_doctor_host_memory_of_this_machine():
-    ((item, value, problem),) = host.host_memory_checks()
+    ((item, value, problem),) = doctor.host_memory_checks()
     assert item == "host memory" and value.endswith(("available", "GB more)")), value
     assert "host memory" in dict((r[0], r[1]) for r in checks())
 

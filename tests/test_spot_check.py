@@ -19,12 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import build_tiny_dense, build_tiny_hybrid, dense_config_dict
 
-from vllm_gdn_hs.check import scan
+from vllm_gdn_hs.check import run_spot_check, sample, scan
 from vllm_gdn_hs.checkpoint import load_text_model
 from vllm_gdn_hs.cli import main
 from vllm_gdn_hs.files import release_lock, request_path, take_lock, write_file
 from vllm_gdn_hs.reference import HFReference
-from vllm_gdn_hs.spot_check import run_spot_check, sample
 
 LAYERS = [1, 3, 6, 8]
 _rng = random.Random(5)

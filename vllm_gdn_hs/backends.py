@@ -62,7 +62,7 @@ class FileLaunch:
         """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
         from pydantic import ValidationError
 
-        from vllm_gdn_hs.config import HiddenStatesConfig
+        from vllm_gdn_hs.config import HiddenStatesConfig, problems
 
         for key, ours in (("kv_connector", CONNECTOR_NAME), ("kv_role", "kv_producer")):
             if user.get(key, ours) != ours:
@@ -80,8 +80,7 @@ class FileLaunch:
         try:
             HiddenStatesConfig(**extra, **cls.storage_options(args))
         except (ValidationError, TypeError) as e:
-            errors = e.errors() if isinstance(e, ValidationError) else [{"loc": (), "msg": str(e)}]
-            why = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in errors)
+            why = problems(e) if isinstance(e, ValidationError) else str(e)
             keys = ", ".join(
                 k for k in HiddenStatesConfig.model_fields if k not in LAUNCHER_OPTIONS
             )

@@ -5,6 +5,12 @@ lost (a lock nobody holds and no file: the writer died) or broken (truncated, no
 speculators layout, another layer set than the rest of the folder); temp files of writers
 that are gone are listed too. Only each file's header is read (no torch), unless ``--rows``:
 then every row goes through the connector's own NaN/Inf and all-zero check.
+
+``--reference MODEL`` also holds a sample of the complete files to HF transformers
+(:func:`run_spot_check`): a wrong state that is finite and not zero (a recycled GDN state,
+rows shifted by a token, another layer) is only seen against the model itself. Each file is
+judged on its first ``max_tokens`` tokens (a row depends only on the tokens up to it), read
+without its lock, so the trainer still finds it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ TEMP = "temp files of writers that are gone (check no server still writes here, 
 UNREADABLE = "locks this user may not open (run check as the server's user)"
 ODD = "not regular files (a FIFO, socket or device under a hidden-states name; not opened)"
 TEMP_AGE_S = 600  # a writer renames its temp file within seconds
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def _stale_temp(path: str, pid: int, now: float) -> str | None:
@@ -100,17 +111,9 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
 def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
     """Sort every request under ``root``, one folder at a time (listed, then checked at once,
     so a live run has little time to move on); returns counts, totals and problem paths."""
-    out: dict[str, Any] = {
-        "complete": 0,
-        "unread": 0,
-        "being_written": 0,
-        "gone": 0,
-        "links": 0,
-        "tokens": 0,
-        "bytes": 0,
-        "layouts": Counter(),
-        "problems": defaultdict(list),  # kind -> [(path, detail)]
-    }
+    counts = ("complete", "unread", "being_written", "gone", "links", "tokens", "bytes")
+    out: dict[str, Any] = dict.fromkeys(counts, 0)
+    out |= {"layouts": Counter(), "problems": defaultdict(list)}  # kind -> [(path, detail)]
     paths_by_layout = defaultdict(list)
     last, now = time.monotonic(), time.time()
     for folder, _, names in os.walk(root):
@@ -163,16 +166,13 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
         f"{out['bytes'] / 1e9:,.2f} GB"
         + "".join(f"; {n:,} x [T, {la}, {h}] {d}" for (la, h, d), n in out["layouts"].items())
     ]
-    if out["unread"]:
-        lines.append(f"{out['unread']:,} of them still have their .lock (not yet read)")
-    if out["being_written"]:
-        lines.append(f"{out['being_written']:,} being written (a live writer holds the lock)")
-    if out["links"]:
-        lines.append(
-            f"{out['links']:,} symbolic links not followed (their files count where they are)"
-        )
-    if out["gone"]:
-        lines.append(f"{out['gone']:,} moved or removed while being checked (read by a client)")
+    notes = {
+        "unread": "of them still have their .lock (not yet read)",
+        "being_written": "being written (a live writer holds the lock)",
+        "links": "symbolic links not followed (their files count where they are)",
+        "gone": "moved or removed while being checked (read by a client)",
+    }
+    lines += [f"{out[key]:,} {note}" for key, note in notes.items() if out[key]]
     if expect is not None and out["complete"] < expect:
         lines.append(f"expected {expect:,} files: {expect - out['complete']:,} missing")
     for kind, found in sorted(out["problems"].items()):
@@ -182,11 +182,10 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
 
 def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, spot=None) -> int:
     """0: every request is sound (and, with ``expect``, all are there); 1: problems. ``spot``
-    (``spot(complete_paths) -> status``, :func:`vllm_gdn_hs.spot_check.run_spot_check`)
-    then judges a sample of the complete files; the worse status is returned."""
+    (``spot(complete_paths) -> status``: :func:`run_spot_check`) then judges a sample of the
+    complete files; the worse status is returned."""
     if not os.path.isdir(root):
-        print(f"error: {root} is not a folder", file=sys.stderr)
-        return 2
+        return _error(f"{root} is not a folder")
     out = scan(root, rows)
     print("\n".join(report(root, out, expect)))
     if list_path:
@@ -197,3 +196,103 @@ def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, 
     missing = expect is not None and out["complete"] < expect
     status = 1 if out["problems"] or missing else 0
     return max(status, spot(out["complete_paths"])) if spot else status
+
+
+def sample(paths: list[str], n: int) -> list[str]:
+    """``n`` of ``paths`` spread evenly over them (all of them if there are no more)."""
+    return list(paths) if len(paths) <= n else [paths[i * len(paths) // n] for i in range(n)]
+
+
+def _read(path: str, max_tokens: int) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+
+def run_spot_check(
+    root: str,
+    complete_paths: list[str],
+    model: str,
+    layer_ids: list[int],
+    files: int = 8,
+    max_tokens: int = 512,
+    device: str = "cpu",
+) -> int:
+    """A sample of ``complete_paths`` (:func:`scan`'s complete files under ``root``) against
+    HF transformers on ``model``. 0: the sample is within the bar; 1: a file or the
+    pooled sample is not; 2: bad input."""
+    from vllm_gdn_hs.files import hidden_states_of
+    from vllm_gdn_hs.model_info import cached_model_folder, read_model_info, validate_layer_ids
+    from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
+
+    folder = model if os.path.isdir(model) else cached_model_folder(model)
+    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
+        return _error(
+            f"{model} is no model folder with a config.json, nor a HF hub id in the local "
+            "cache; pass the served model's folder (or `hf download` it first: the weights too)"
+        )
+    try:
+        validate_layer_ids(layer_ids, read_model_info(folder).num_hidden_layers)
+    except ValueError as e:
+        return _error(
+            f"--layer-ids for {model}: {e}; pass the layer ids the server extracted, "
+            "for the model it served"
+        )
+    chosen = sample(complete_paths, files)
+    if not chosen:
+        return _error(f"no complete file under {root} to check")
+    data, width = {}, set()
+    for path in chosen:
+        try:
+            data[path] = _read(path, max_tokens)
+            width.add(hidden_states_of(data[path]).shape[1])
+        except Exception as e:  # truncated or foreign: check's own report lists it
+            data.pop(path, None)
+            print(f"  {path}: left out, unreadable ({e or type(e).__name__})")
+    if not data:
+        return _error(f"no readable file among the {len(chosen)} sampled")
+    if width != {len(layer_ids)}:
+        return _error(
+            f"the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
+            "pass the layer ids the server extracted (in its order, as the launcher prints "
+            "them)"
+        )
+    print(
+        f"{len(data)} of the complete files under {root}, first {max_tokens} tokens each, "
+        f"against HF transformers ({model}, fp32 then bf16 on {device}, one model at a time: "
+        f"minutes for a large model on the CPU), layers {layer_ids}",
+        flush=True,
+    )
+    ref = HFReference(folder, layer_ids, device=device, max_cached=len(data))
+    try:
+        try:
+            ref.precompute([d["token_ids"].tolist() for d in data.values()])
+        except (OSError, ValueError) as e:  # no weights, or not this model's
+            return _error(f"HF transformers on {model}: {e}")
+        bad = 0
+        for path, d in data.items():
+            result = ref.check(d, d["token_ids"].tolist())
+            ratio = worst_by_layer([result]).get("worst_ratio", float("nan"))
+            verdict = "; ".join(result["problems"]) or "within the per-file bound"
+            print(
+                f"  {path}: {len(d['token_ids'])} token(s), worst layer {ratio:.2f} x HF bf16's "
+                f"error: {verdict}"
+            )
+            bad += bool(result["problems"])
+        pooled = ref.pooled()
+    finally:
+        ref.close()
+    print(describe_pooled(pooled))
+    if bad or pooled["problems"]:
+        for line in pooled["problems"]:
+            print(f"  {line}")
+        print(
+            f"FAILED: {bad} of {len(data)} files over the per-file bound"
+            + (", the pooled sample over the bar" if pooled["problems"] else "")
+            + ". These hidden states are not the model's: do not train on this folder; "
+            "run `vllm-gdn-hs doctor` and report the vLLM version and flags"
+        )
+        return 1
+    print("passed: as close to HF fp32 as HF transformers in bf16 is")
+    return 0

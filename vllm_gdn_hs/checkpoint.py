@@ -1,11 +1,9 @@
 """A model folder's checkpoint as HF transformers sees it: its language model loaded from the
-safetensors (``check --reference``, the demo, the GPU suite's reference), and random weights
-saved in the same layout (the demo's tiny model).
+safetensors (the references), and random weights saved in the same layout (the demo's model).
 
-A multimodal (Qwen3.5/3.6) checkpoint keeps its language model under
-``model.language_model.``; transformers' text model names it ``model.``. Its vision tower and
-MTP weights are not the language model's: they are skipped on load, and never saved (vLLM
-runs such a model with ``language_model_only=True``, which builds no vision tower).
+A multimodal (Qwen3.5/3.6) checkpoint keeps its language model under ``model.language_model.``,
+where transformers' text model has ``model.``; its vision tower and MTP weights are skipped on
+load and never saved (vLLM runs it with ``language_model_only=True``).
 """
 
 from __future__ import annotations

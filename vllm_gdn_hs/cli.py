@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_config(args.model, args.dir)}")
         return 0
     if args.command == "check":
-        from vllm_gdn_hs.check import run_check
-        from vllm_gdn_hs.spot_check import run_spot_check
+        from vllm_gdn_hs.check import run_check, run_spot_check
 
         ids, ref = flat(args.layer_ids) or [], args.reference
         if ref and not ids:

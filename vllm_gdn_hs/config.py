@@ -99,11 +99,12 @@ def request_params(raw: object) -> RequestParams:
     try:
         return RequestParams.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"kv_transfer_params.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-            for err in e.errors()
-        )
-        raise ValueError(problems) from None
+        raise ValueError(problems(e, "kv_transfer_params.")) from None
+
+
+def problems(e: ValidationError, prefix: str = "") -> str:
+    """Each bad field of a pydantic model, and why, on one line."""
+    return "; ".join(f"{prefix}{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())
 
 
 def speculative_config(layer_ids: list[int]) -> dict:

@@ -1,9 +1,6 @@
-"""``vllm-gdn-hs demo``: extract hidden states from a tiny hybrid model and check them.
-
-Builds a tiny random Qwen3.5 hybrid model (GDN + full attention), runs vLLM
-with HybridHiddenStatesConnector through ``LLM(...)``, and compares every file
-with HF transformers on the same weights. Without a GPU it says so and runs
-``doctor``.
+"""``vllm-gdn-hs demo``: hidden states of a tiny random Qwen3.5 hybrid model (GDN and full
+attention) extracted through ``LLM(...)``, each file compared with HF transformers on the same
+weights. Without a GPU it says so and runs ``doctor``.
 """
 
 from __future__ import annotations

@@ -177,12 +177,11 @@ def take_finished(path: str) -> bool:
     """One non-blocking step of speculators' reader: False while a writer holds
     ``<path>.lock``; else take the lock, delete it and require the file. FileNotFoundError
     when neither exists (the write failed, or the request was aborted)."""
-    lock = path + LOCK_SUFFIX
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        fd = None
-    if fd is not None:
+        pass  # no lock (any more): the writer is done
+    else:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -195,8 +194,7 @@ def take_finished(path: str) -> bool:
 
 
 def wait_for_file(path: str, timeout: float = 10.0) -> None:
-    """Wait until ``path`` is complete, as speculators' reader does: poll
-    :func:`take_finished` for up to ``timeout`` s; TimeoutError if the lock is still held."""
+    """Poll :func:`take_finished` for up to ``timeout`` s, as speculators' reader does."""
     deadline = time.monotonic() + timeout
     while not take_finished(path):
         if time.monotonic() > deadline:

@@ -183,16 +183,10 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
         raise ModelConfigError(
             f"{model}: config has no num_hidden_layers/hidden_size (also looked in text_config)"
         ) from None
-    layer_types = text.get("layer_types")
-    if not layer_types:
-        interval = text.get("full_attention_interval")
-        if interval:  # Qwen3-Next style: every interval-th layer is full attention
-            layer_types = [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                for i in range(n)
-            ]
-        else:
-            layer_types = ["full_attention"] * n
+    interval = text.get("full_attention_interval") or 1  # Qwen3-Next: every interval-th layer
+    layer_types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
+    ]
     return ModelInfo(
         path=model,
         architectures=tuple(cfg.get("architectures") or ()),

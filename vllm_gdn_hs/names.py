@@ -12,12 +12,8 @@ CONNECTOR_MODULE = "vllm_gdn_hs.connector"
 
 
 def init_logger(name: str) -> logging.Logger:
-    """vLLM's ``init_logger`` for one of our modules, named inside the ``vllm`` logger tree.
-
-    vLLM's logging setup (its handler, ``VLLM_LOGGING_LEVEL``, ``VLLM_LOGGING_CONFIG_PATH``)
-    covers the ``vllm`` logger only; a logger outside it would drop every INFO line, the
-    writer's progress and shutdown lines among them.
-    """
+    """vLLM's ``init_logger`` for one of our modules, inside the ``vllm`` logger tree: vLLM's
+    logging setup covers only that tree, and a logger outside it would drop every INFO line."""
     from vllm.logger import init_logger as vllm_init_logger
 
     return vllm_init_logger(f"vllm.{name}")

@@ -11,16 +11,11 @@ _registered = False
 def register() -> None:
     """Check the vLLM version, apply its runtime patches, register the connector.
 
-    Idempotent and cheap: the connector is registered by module path, so its
-    torch-heavy code is imported only when a config names it. The patches are applied in
-    every process and are inert unless the engine's config names our connector
-    (``tests/test_register.py`` shows the config is then stock vLLM's). On a vLLM release the
-    plugin does not support it never raises (vLLM calls it in every process, also those
-    that never use the connector): it logs one warning, applies nothing, and registers
-    :mod:`vllm_gdn_hs.unsupported` under the connector's name, so that naming the
-    connector fails with the list of supported releases. A newer, untested release runs
-    only with ``VLLM_GDN_HS_ALLOW_UNTESTED_VLLM=1`` and every method the patches wrap
-    present, and says so in one warning.
+    Idempotent and cheap: the connector is registered by module path (its torch-heavy code is
+    imported only when a config names it); the patches are inert unless the engine's config
+    names our connector. On an unsupported vLLM it never raises (vLLM calls it in every
+    process): it logs one warning, applies nothing, and registers :mod:`vllm_gdn_hs.unsupported`
+    under the connector's name, so that naming the connector fails with the reason.
     """
     global _registered
     if _registered:

@@ -12,10 +12,9 @@ so ours is held to HF bf16's error rather than to a fixed bar, twice:
 - per file and layer: ours <= ``GROSS_FACTOR`` x HF bf16's (:func:`within_bar`), and the
   structural checks (:func:`file_problems`).
 
-One file's ratio is a noisy sample (on short prompts bf16's error moves by +-15% from one
-prompt to the next), so the tight bar is on the pooled errors, which weigh files by their
-tokens; the per-file bound is gross: it catches shifted rows, a wrong layer, garbage, and
-never flakes on bf16 noise.
+One file's ratio is a noisy sample (on short prompts bf16's error moves by +-15%), so the tight
+bar is on the pooled errors, which weigh files by their tokens; the per-file bound is gross: it
+catches shifted rows, a wrong layer, garbage, and never flakes on bf16 noise.
 """
 
 from __future__ import annotations
@@ -29,9 +28,7 @@ from vllm_gdn_hs.files import SCALES, hidden_states_of
 from vllm_gdn_hs.rows import check_rows
 
 BAR_FACTOR = 1.1
-# Loose on purpose: a bug that moves rows (shifted by a token, another layer, garbage) is off
-# by ~1, bf16 noise by ~1x bf16's error; the pooled bar is the tight one.
-GROSS_FACTOR = 3.0
+GROSS_FACTOR = 3.0  # a bug that moves rows is off by ~1, bf16 noise by ~1x bf16's error
 # Floor under HF bf16's own error in both bars, so that a bar is never 0 (bf16 equal to fp32
 # on a short prompt); bf16 rounding alone is ~2e-3.
 MIN_HF_ERROR = 1e-3

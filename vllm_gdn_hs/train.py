@@ -1,11 +1,10 @@
 """``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
 
-``--hidden-states-backend mooncake-fp8`` stores each request's rows as the fp8 files hold them
-(float8_e4m3fn, one fp32 scale per token: half the bytes). hs-connectors' ``MooncakeTransfer``
-returns such an object as stored, and speculators cannot train on float8;
+``mooncake-fp8`` objects hold the fp8 files' rows (float8_e4m3fn, one fp32 scale per token),
+which hs-connectors' ``MooncakeTransfer`` returns as stored and speculators cannot train on:
 :class:`MooncakeFP8Transfer` adds ``FP8Transfer``'s dequantization (to bf16). hs-connectors'
-backend registry has no plugin entry point: this module registers ``mooncake-fp8``, then runs
-speculators' own ``train`` with every argument unchanged::
+registry has no entry point, so this module registers the backend, then runs speculators'
+``train`` with every argument unchanged::
 
     python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
     torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train
@@ -32,8 +31,8 @@ BACKEND = "mooncake-fp8"
 
 
 class MooncakeFP8Transfer(MooncakeTransfer):
-    """hs-connectors' Mooncake reader, then its fp8 file reader's dequantization (to bf16;
-    ``hidden_states_scales`` dropped). A bf16 object passes unchanged."""
+    """hs-connectors' Mooncake reader, then its fp8 reader's dequantization (a bf16 object
+    passes unchanged)."""
 
     dequantize_dtype = torch.bfloat16
     _dequantize = FP8Transfer._dequantize

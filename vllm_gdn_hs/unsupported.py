@@ -1,10 +1,6 @@
-"""Stands in for the connector on a vLLM release this plugin does not support.
-
-``register()`` applies no patches there and registers this module under the connector's
-name, so that vLLM without our connector runs as if the plugin were absent, while naming
-the connector fails as soon as vLLM loads it, with the message that lists the supported
-releases, or the vLLM method an untested newer release lacks (importing this module raises
-it).
+"""Stands in for the connector on a vLLM release this plugin does not support: ``register()``
+registers it under the connector's name, so that vLLM runs as if the plugin were absent while
+naming the connector fails, with the reason, as soon as vLLM imports this module.
 """
 
 from vllm_gdn_hs.patch import runtime_patches

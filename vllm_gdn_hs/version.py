@@ -17,31 +17,26 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DIST_NAME = "vllm-gdn-hs"
-# Every published vLLM release from the first to the last supported one: each is installed by
-# tests/matrix.sh, and is either supported (RELEASES) or refused with its reason (REFUSED).
+# Every published vLLM release from the first to the last supported one (tests/matrix.sh
+# installs each): supported, or refused with its reason in REFUSED.
 RELEASES = (
     "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
     "0.34.0",
 )  # fmt: skip
 REFUSED: dict[str, str] = {}
-# The releases .ci/run runs the whole CPU suite on: the first, the last with vLLM's V1 GPU model
-# runner, and the newest; tests/matrix.sh runs the smoke set on every release.
+# .ci/run's releases: the first, the last with vLLM's V1 runner, and the newest.
 CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
-# vLLM 0.34.0 pins flashinfer-python 0.7.3, which the package index lacks; the repository's
-# overrides.txt takes 0.7.4.
+# vLLM 0.34.0 pins a flashinfer-python the package index lacks (overrides.txt takes 0.7.4).
 NEEDS_OVERRIDES = ("0.34.0",)
-# Which runner extraction runs on (patch/ applies a runner's patch only where it can run):
-# Model Runner V2 from 0.33.0, where it became vLLM's default (its patch is written against
-# 0.33.0's runner, so before it the plugin refuses V2); vLLM's V1 runner up to 0.33.0 (0.34.0
-# deleted it). On 0.33.0, which has both, V1 by default (the runner the GPU suite covers
-# there) and V2 when VLLM_USE_V2_MODEL_RUNNER=1 asks for it; from V2_DEFAULT_FROM, V2.
+# Which runner extraction runs on: Model Runner V2 from 0.33.0, vLLM's default there (its patch
+# is written against 0.33.0's runner); V1 up to 0.33.0 (0.34.0 deleted it). On 0.33.0, V1 by
+# default (the GPU suite's runner there), V2 when VLLM_USE_V2_MODEL_RUNNER=1 asks for it.
 MODEL_RUNNER_V2_FROM = "0.33.0"
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
 # From this release vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine
-# core processes (0.30.0 to 0.32.0 have get_engine_process_shutdown_timeout without the
-# variable); before, the launcher passes --shutdown-timeout instead (serve_args.py).
+# core processes; before, the launcher passes --shutdown-timeout instead (serve_args.py).
 ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
 # A vLLM newer than RELEASES[-1] is untested: refused by default, run with this variable set
 # to 1 (patch/ then probes that every vLLM method it wraps is still there).
@@ -131,6 +126,10 @@ def runner_in_use() -> str:
         return "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1; the plugin's default here is V1)"
     if runs_model_runner_v2():
         return "V1 (the plugin's default here; VLLM_USE_V2_MODEL_RUNNER=1 runs Model Runner V2)"
+    from vllm.config import VllmConfig
+
+    if hasattr(VllmConfig, "_get_v2_model_runner_unsupported_features"):  # 0.22.0 to 0.32.0
+        return "V1 (vLLM would choose V2 for some models; the plugin keeps V1 and vLLM logs why)"
     return "V1 (the only runner the plugin supports on this vLLM)"
 
 

@@ -52,8 +52,6 @@ __all__ = [
 
 
 class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenStates):
-    """Writes each request's hidden states to one safetensors file."""
-
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -65,29 +63,21 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         self.layer_ids = validate_vllm_config(vllm_config, self.cfg)
         self._scheduler: HybridHiddenStatesConnectorScheduler | None = None
         self._worker: HybridHiddenStatesConnectorWorker | None = None
+        model = vllm_config.model_config
+        hidden, dtype = model.get_hidden_size(), model.dtype
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = HybridHiddenStatesConnectorScheduler(
-                self.cfg,
-                self.layer_ids,
-                vllm_config.model_config.max_model_len,
-                hidden=vllm_config.model_config.get_hidden_size(),  # for a backend's response
-                dtype=vllm_config.model_config.dtype,
+                self.cfg, self.layer_ids, model.max_model_len, hidden, dtype
             )
         elif _is_writer_rank():  # only tensor-parallel rank 0 writes; the others stage nothing
+            max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+            cuda = torch.cuda.is_available()
+            device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
             self._worker = HybridHiddenStatesConnectorWorker(
-                self.cfg,
-                max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                num_layers=len(self.layer_ids),
-                hidden=vllm_config.model_config.get_hidden_size(),
-                dtype=vllm_config.model_config.dtype,
-                device=torch.device("cuda", torch.cuda.current_device())
-                if torch.cuda.is_available()
-                else torch.device("cpu"),
+                self.cfg, max_tokens, len(self.layer_ids), hidden, dtype, device
             )
 
-    # ==============================
-    # Worker side
-    # ==============================
+    # -- worker side ------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # The step's requests must reach the worker before the forward hands over its rows:
         # vLLM binds the metadata before the forward, but from 0.29.0 may call start_load_kv
@@ -171,9 +161,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )
 
-    # ==============================
-    # Scheduler side
-    # ==============================
+    # -- scheduler side ---------------------------------------------------------------
     def _sched(self) -> HybridHiddenStatesConnectorScheduler:
         if self._scheduler is None:
             raise RuntimeError(f"{type(self).__name__}: a scheduler-side call on the worker side")

@@ -18,10 +18,9 @@ import torch
 from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
 from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
-from vllm_gdn_hs.connector.stats import StatsBook
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, failed
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
-from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
+from vllm_gdn_hs.storage.base import StoredRequest
 
 logger = init_logger(__name__)
 
@@ -46,21 +45,11 @@ class ActiveRequest:
 
 
 class Drain:
-    def __init__(
-        self,
-        storage: HiddenStatesStorage,
-        writer: Writer,
-        book: StatsBook,
-        num_layers: int,
-        hidden: int,
-        dtype: torch.dtype,
-        norms_width: int,
-        done: threading.Event,
-    ):
-        self.storage, self.writer, self.book = storage, writer, book
-        self.done = done  # set when the drain thread ends: the writer's last producer is gone
-        self.num_layers, self.hidden, self.dtype = num_layers, hidden, dtype
-        self.norms_width = norms_width
+    def __init__(self, writer: Writer, hidden: int, dtype: torch.dtype):
+        """Rows of ``hidden`` values in ``dtype`` (as stored: float8_e4m3fn with fp8)."""
+        self.writer, self.storage, self.book = writer, writer.storage, writer.book
+        self.num_layers, self.hidden, self.dtype = writer.num_layers, hidden, dtype
+        self.norms_width = writer.num_layers + writer.cfg.fp8  # fp8: each row's scale too
         self.requests: dict[str, ActiveRequest] = {}
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks
@@ -78,14 +67,10 @@ class Drain:
         except Exception as e:  # never stop the engine for one request's file
             failed(self.book, req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
             return
+        flush_rows = PENDING_ROWS + self.created % PENDING_ROWS
         try:
             rows = RequestRows(
-                req,
-                self.num_layers,
-                self.hidden,
-                self.dtype,
-                flush_rows=PENDING_ROWS + self.created % PENDING_ROWS,
-                norms_width=self.norms_width,
+                req, self.num_layers, self.hidden, self.dtype, flush_rows, self.norms_width
             )
         except Exception as e:
             why = f"cannot start its rows for {req.path}: {e}"
@@ -120,7 +105,7 @@ class Drain:
         try:
             self._run()
         finally:
-            self.done.set()
+            self.writer.producer_done.set()  # the writer's last producer is gone
 
     @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _run(self) -> None:

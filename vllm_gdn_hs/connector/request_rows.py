@@ -15,14 +15,10 @@ SHORT_RUN, PENDING_ROWS = 4, 32
 
 
 class RequestRows:
-    """Host rows of one request, indexed by token position.
-
-    The drain thread shares the GIL with the engine thread, so decode's per-row work stays
-    out of Python: a step's short runs are gathered into one block by one numpy call (which
-    releases the GIL), each request keeps (block, row) references and files them a few dozen
-    at a time, stacking numpy views (bf16 as int16) straight into place. Long runs (prefill)
-    are copied by torch.
-    """
+    """Host rows of one request, indexed by token position. The drain thread shares the GIL
+    with the engine thread, so decode's per-row work stays out of Python: a step's short runs
+    are gathered into one block by one numpy call, each request keeps (block, row) references
+    and files them a few dozen at a time, stacking numpy views (bf16 as int16) into place."""
 
     def __init__(
         self,
@@ -109,8 +105,7 @@ class RequestRows:
         return [q for q in range(first, n) if not self.seen[q]][:5]
 
 
-def _is_run(positions: list[int]) -> bool:
-    """Whether the positions are consecutive and increasing (a prefill chunk, decode rows)."""
+def _is_run(positions: list[int]) -> bool:  # consecutive and increasing
     start, n = positions[0], len(positions)
     return positions[-1] - start == n - 1 and (n <= 2 or positions == list(range(start, start + n)))
 

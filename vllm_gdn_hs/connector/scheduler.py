@@ -1,10 +1,8 @@
 """The connector's scheduler side: where each request's hidden states go, and when it ended.
 
-Request ids and ``kv_transfer_params`` come from the network: the params are checked with
-:func:`vllm_gdn_hs.config.request_params` and the place made by the storage backend
-(:mod:`vllm_gdn_hs.storage`) before anything is opened. A request refused here is served as
-usual; its response's ``kv_transfer_params`` carry ``hidden_states_error`` (the reason)
-instead of a path. Nothing here raises into vLLM's ``schedule()``.
+Request ids and ``kv_transfer_params`` come from the network: they are checked before anything
+is opened. A request refused here is served as usual, its response's ``kv_transfer_params``
+carrying ``hidden_states_error`` (the reason). Nothing here raises into vLLM's ``schedule()``.
 """
 
 from __future__ import annotations

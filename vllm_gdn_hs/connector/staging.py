@@ -1,15 +1,10 @@
-"""Device-to-host staging: a ring of pinned host rows, a slot of each step's rows at a time,
-filled on a side stream.
+"""Device-to-host staging: a ring of pinned host rows, one slot per step, filled on a side stream.
 
-The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of
-:data:`~vllm_gdn_hs.rows.CHUNK_TOKENS` (:func:`rows_and_norms`), so its temporaries are small
-and inside the memory vLLM profiled. The side stream only copies; ``record_stream`` keeps the
-step's GPU tensors alive until it has. A slot is free again once the drain thread has filed
-its rows. On CPU (tests) the same path runs with plain copies.
-
-A step that runs eager takes a layer-major slot before its forward pass (:meth:`HostRing.take`),
-and each layer's rows leave the GPU as soon as the model made them
-(:class:`~vllm_gdn_hs.patch.extraction.LayerSink`).
+The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of ``CHUNK_TOKENS``
+(:func:`rows_and_norms`), so its temporaries are small and inside the memory vLLM profiled; the
+side stream only copies (:func:`_side_copy`). A slot is free again once the drain thread has
+filed its rows. A step that runs eager takes a layer-major slot before its forward pass, each
+layer's rows leaving as the model makes them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`).
 """
 
 from __future__ import annotations
@@ -103,11 +98,9 @@ def _side_copy(stream, pairs, done=None, keep=()) -> None:
 
 class HostRing:
     """Pinned host rows for ``num_slots`` of the largest steps, handed out in order, each step
-    taking only the rows it has: a decode step of 256 rows takes 256 rows, so the small steps
-    that follow a large one go on while the drain thread files it. With ``fp8`` the rows are
-    quantized on the GPU before the copy (hs-connectors' per-token float8_e4m3fn scaling), so
-    the copy and the ring are half the size; each row's scale travels as one more column after
-    its layer norms, which are taken before quantization."""
+    taking only the rows it has, so the small steps that follow a large one go on while the
+    drain thread files it. With ``fp8`` the ring holds the quantized rows (half the size), each
+    row's scale one more column after its layer norms."""
 
     def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"
@@ -137,11 +130,10 @@ class HostRing:
         return head if tail - head >= num_tokens else None  # wrapped: free is [head, tail)
 
     def take(self, num_tokens: int, layer_major: bool = False) -> tuple[HostSlot, float]:
-        """Rows for one step; returns the slot and the seconds waited for them (host
-        back-pressure: the drain is behind). A ``layer_major`` slot keeps its rows as
-        [L, tokens, H] in the same memory, so that each layer's rows are one contiguous block
-        (a D2H copy into a strided host view would go through pageable memory); its
-        ``hidden_states`` is the [tokens, L, H] view of them that the drain reads."""
+        """Rows for one step, and the seconds waited for them (the drain is behind). A
+        ``layer_major`` slot keeps its rows as [L, tokens, H], so that each layer's rows are one
+        contiguous block (a D2H copy into a strided view would go through pageable memory);
+        its ``hidden_states`` is their [tokens, L, H] view."""
         if not 0 < num_tokens <= self.capacity:
             raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
         waited = 0.0
@@ -170,8 +162,7 @@ class HostRing:
             self.live.append(slot)
         return slot, waited
 
-    def wait_for_room(self) -> None:
-        """Wait, holding ``room``, until a slot is released."""
+    def wait_for_room(self) -> None:  # holding room
         self.room.wait()
 
     def release(self, slot: HostSlot) -> None:
@@ -182,7 +173,6 @@ class HostRing:
             self.room.notify_all()
 
     def idle(self) -> bool:
-        """No step's rows are waiting to be filed."""
         with self.room:
             return not self.live
 

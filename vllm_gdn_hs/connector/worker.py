@@ -50,20 +50,8 @@ class HybridHiddenStatesConnectorWorker:
         self.warned: set[str] = set()
         self.storage = storage_for(cfg)
         self.storage.open_worker_side()
-        drain_done = threading.Event()
-        self.writer = Writer(
-            cfg, self.storage, self.book, num_layers, self._warn_once, producer_done=drain_done
-        )
-        self.drain = Drain(
-            self.storage,
-            self.writer,
-            self.book,
-            num_layers,
-            hidden,
-            self.ring.hidden_states.dtype,  # as stored: fp8 with cfg.fp8
-            norms_width=num_layers + cfg.fp8,
-            done=drain_done,
-        )
+        self.writer = Writer(cfg, self.storage, self.book, num_layers, self._warn_once)
+        self.drain = Drain(self.writer, hidden, self.ring.hidden_states.dtype)
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
@@ -121,7 +109,6 @@ class HybridHiddenStatesConnectorWorker:
 
     @property
     def stats(self) -> WriterStats:
-        """The figures now: totals and gauges."""
         return dataclasses.replace(self.book.snapshot(), **self.gauges())
 
     def gauges(self) -> dict[str, int]:
@@ -151,8 +138,7 @@ class HybridHiddenStatesConnectorWorker:
     # -- shutdown ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
         """Write every finished request within ``timeout`` s (default ``shutdown_drain_s``);
-        what is not written by then, and every request never finished, loses its lock (counted
-        and logged). A SIGINT or SIGTERM meanwhile does not cut the drain short."""
+        the rest, and requests never finished, lose their lock (counted and logged)."""
         if self.closed:
             return
         self.closed = True
@@ -174,9 +160,9 @@ class HybridHiddenStatesConnectorWorker:
 
 @contextlib.contextmanager
 def _signals_logged(timeout: float):
-    """SIGINT and SIGTERM are logged, not acted on, while the writes drain (within
-    ``timeout``): vLLM's engine core puts the default handlers back before its teardown, so a
-    second signal would end the process mid-write. Only the main thread can set handlers."""
+    """SIGINT and SIGTERM are logged, not acted on, while the writes drain: vLLM's engine core
+    puts the default handlers back before its teardown, so a second signal would end the
+    process mid-write. (Only the main thread can set handlers.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

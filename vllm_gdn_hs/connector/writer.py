@@ -1,10 +1,8 @@
-"""The write pool and its backlog: finished requests' rows to their storage.
+"""The write pool: ``write_workers`` threads check each finished request's rows (a
+:class:`WriteJob` from the drain thread) and store them.
 
-The drain thread hands each finished request over as a :class:`WriteJob`; ``write_workers``
-threads check its rows and store them (:mod:`vllm_gdn_hs.storage`). The rows waiting are
-bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and the engine slows to
-the speed of the writes instead of the host running out of memory. :meth:`Writer.close`
-waits for the queue until the shutdown deadline, then abandons what is left (counted). The
+The rows waiting are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and
+the engine slows to the speed of the writes instead of the host running out of memory. The
 threads are not daemons: if the process exits without ``close()``, they finish the queue.
 """
 
@@ -45,11 +43,10 @@ class Writer:
         book: StatsBook,
         num_layers: int,
         warn_once: Callable[..., None],
-        producer_done: threading.Event,
     ):
         self.cfg, self.storage, self.book, self.num_layers = cfg, storage, book, num_layers
         self.warn_once = warn_once
-        self.producer_done = producer_done  # set when the drain thread, which submits, ends
+        self.producer_done = threading.Event()  # set when the drain thread, which submits, ends
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self.running: set[WriteJob] = set()
         # The backlog and the writes in flight, shared by the drain thread and the writers.
@@ -101,7 +98,6 @@ class Writer:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def gauges(self) -> dict[str, int]:
-        """Files queued or being written, and their rows' bytes in host memory."""
         with self.cond:
             return {"writing": self.writing, "backlog_bytes": self.backlog_bytes}
 

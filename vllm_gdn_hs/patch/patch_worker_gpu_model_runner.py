@@ -43,6 +43,7 @@ _orig_model_forward = GPUModelRunner._model_forward
 _orig_profile_run = GPUModelRunner.profile_run
 _orig_batch_execution = GPUModelRunner._determine_batch_execution_and_padding
 _BATCH_EXECUTION_ARGS = inspect.signature(_orig_batch_execution)
+_MODEL_FORWARD_ARGS = inspect.signature(_orig_model_forward)
 
 
 def __init__(self, vllm_config, device) -> None:
@@ -62,23 +63,10 @@ def _get_eagle3_aux_layers_from_config(self):
     return _orig_aux_layers(self)
 
 
-def _model_forward(
-    self,
-    input_ids=None,
-    positions=None,
-    intermediate_tensors=None,
-    inputs_embeds=None,
-    **model_kwargs,
-):
-    output = _orig_model_forward(
-        self,
-        input_ids=input_ids,
-        positions=positions,
-        intermediate_tensors=intermediate_tensors,
-        inputs_embeds=inputs_embeds,
-        **model_kwargs,
-    )
+def _model_forward(self, *args, **kwargs):
+    output = _orig_model_forward(self, *args, **kwargs)
     if getattr(self, "hidden_states_layer_ids", None):
+        positions = _MODEL_FORWARD_ARGS.bind(self, *args, **kwargs).arguments["positions"]
         save_step(self, output[1], positions)
     return output
 

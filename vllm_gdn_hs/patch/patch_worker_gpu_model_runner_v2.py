@@ -58,24 +58,22 @@ def __init__(self, vllm_config, device) -> None:
 
 
 def load_model(self, *args, **kwargs) -> None:
-    ids = getattr(self, "hidden_states_layer_ids", None)
-    if ids:  # vLLM's load_model reads the flag as "a drafter's aux layers" (and asserts one)
-        self.use_aux_hidden_state_outputs = False
+    if not getattr(self, "hidden_states_layer_ids", None):
+        return _orig_load_model(self, *args, **kwargs)
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    self.use_aux_hidden_state_outputs = False  # vLLM's reads it as "a drafter's aux layers"
     try:
         _orig_load_model(self, *args, **kwargs)
     finally:
-        if ids:
-            self.use_aux_hidden_state_outputs = True
-    if ids:
-        from vllm.model_executor.models.interfaces import supports_eagle3
-
-        if not supports_eagle3(self.model):
-            raise ValueError(
-                f"{type(self.model).__name__} cannot return aux hidden states (it does not "
-                "implement vLLM's SupportsEagle3), so its hidden states cannot be extracted"
-            )
-        self.model.set_aux_hidden_state_layers(tuple(self.hidden_states_layer_ids))
-        install_sink(self)
+        self.use_aux_hidden_state_outputs = True
+    if not supports_eagle3(self.model):
+        raise ValueError(
+            f"{type(self.model).__name__} cannot return aux hidden states (it does not "
+            "implement vLLM's SupportsEagle3), so its hidden states cannot be extracted"
+        )
+    self.model.set_aux_hidden_state_layers(tuple(self.hidden_states_layer_ids))
+    install_sink(self)
 
 
 def profile_run(self, *args, **kwargs) -> None:
@@ -105,8 +103,7 @@ def execute_model(self, scheduler_output, *args, **kwargs):
 
 def save_step(self, state) -> None:
     """Hand one forward pass's rows (scheduled tokens only, no padding) to the connector."""
-    batch = state.input_batch
-    num_reqs = batch.num_reqs
+    batch, num_reqs = state.input_batch, state.input_batch.num_reqs
     with torch.inference_mode():
         hand_over(
             self,

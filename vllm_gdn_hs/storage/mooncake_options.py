@@ -61,17 +61,13 @@ class MooncakeOptions(StorageOptions):
                 "name the same thing: set one (--mooncake-writer-threads)"
             )
 
-    def master(self) -> tuple[str, int]:
-        host, _, port = self.master_server_address.rpartition(":")
-        return host.strip("[]"), int(port)
-
 
 def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
     """ValueError naming the address unless the master accepts a TCP connection (Mooncake's
     own setup retries for about 90 s before it says only -1)."""
-    host, port = options.master()
+    host, _, port = options.master_server_address.rpartition(":")
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:
         raise ValueError(
             f"{CONNECTOR_NAME}: cannot reach the Mooncake master at "
@@ -82,10 +78,9 @@ def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
 
 
 def advertise_address(local_hostname: str | None) -> str | None:
-    """Make Mooncake's TCP transport advertise (and, where it can, bind) this client's own
-    address, ``local_hostname``, instead of the first interface it finds: sets
-    ``MC_TCP_BIND_ADDRESS`` when it is unset and ``local_hostname`` is an IP address. A value
-    the user set wins. Returns the address in effect (None: Mooncake's own choice)."""
+    """Make Mooncake's TCP transport advertise (and, where it can, bind) ``local_hostname``
+    instead of the first interface it finds: sets ``MC_TCP_BIND_ADDRESS`` (unless the user
+    did) to an IP address. Returns the address in effect (None: Mooncake's own choice)."""
     if not os.environ.get("MC_TCP_BIND_ADDRESS") and local_hostname:
         try:
             ipaddress.ip_address(local_hostname.strip("[]"))
