@@ -27,7 +27,7 @@ LAUNCHER_OPTIONS = {
 
 
 class FileLaunch:
-    """One safetensors file per request under ``--hidden-states-path``."""
+    """speculators' ``file`` backend: one safetensors file per request."""
 
     options: ClassVar[dict[str, Any]] = {}  # connector options this backend sets
 

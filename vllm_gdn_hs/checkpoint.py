@@ -52,7 +52,6 @@ def save_random_checkpoint(path: str, config: dict, seed: int = 0) -> str:
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files of a model folder: the index's shards, or the one file."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:

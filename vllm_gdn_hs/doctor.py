@@ -187,7 +187,7 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
             os.fsync(f.fileno())
         return blocks * len(block) / (time.perf_counter() - t0)
     finally:
-        if os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
 
 
@@ -213,14 +213,11 @@ def storage_checks(path: str, hidden_size: int | None) -> list[Row]:
     ]
     if hidden_size:
         per_token = 4 * hidden_size * 2  # 4 layers of bf16 rows
-        rows.append(
-            (
-                "  at 4 layers (speculators' default)",
-                f"{per_token / 1e3:.1f} KB/token: room for {free / per_token / 1e6:,.1f}M "
-                f"tokens; one stream keeps up with {speed / per_token:,.0f} tokens/s",
-                None,
-            )
+        room = (
+            f"{per_token / 1e3:.1f} KB/token: room for {free / per_token / 1e6:,.1f}M tokens; "
+            f"one stream keeps up with {speed / per_token:,.0f} tokens/s"
         )
+        rows.append(("  at 4 layers (speculators' default)", room, None))
     return rows
 
 
@@ -320,7 +317,6 @@ def iter_checks(
 
 
 def checks(*args: str | None) -> list[Row]:
-    """Every row of :func:`iter_checks`."""
     return [row for rows in iter_checks(*args) for row in rows]
 
 

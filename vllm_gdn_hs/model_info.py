@@ -49,7 +49,6 @@ PACKAGED_CONFIGS = {"Qwen/Qwen3.6-27B": "qwen3.6-27b.json"}
 
 
 def packaged_config_path(model: str) -> str | None:
-    """The package's copy of ``model``'s config.json, or None."""
     name = PACKAGED_CONFIGS.get(model)
     return name and os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", name)
 

@@ -146,7 +146,6 @@ def within_bar(
 
 
 def describe_pooled(pooled: dict) -> str:
-    """One line for a :meth:`HFReference.pooled` result."""
     if not pooled["files"]:
         return "pooled: no file"
 
@@ -215,7 +214,6 @@ class HFReference:
         return self._cache[key]
 
     def _make_room(self, n: int) -> None:
-        """Drop the oldest cached references until ``n`` more fit."""
         while self._cache and len(self._cache) + n > self.max_cached:
             del self._cache[next(iter(self._cache))]
 
@@ -288,7 +286,6 @@ class HFReference:
         return dict(ours=ours, hf_bf16=hf, ratio=ratio, files=self._files, problems=problems)
 
     def close(self) -> None:
-        """Drop the models (their GPU memory too) and the cache."""
         self._models.clear()
         self._cache.clear()
         if torch.cuda.is_available():

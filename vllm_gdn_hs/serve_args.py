@@ -94,7 +94,6 @@ def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
 
 
 def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
-    """Refuse user flags that contradict hidden-state extraction."""
     used = _last_value(vllm_args, {"--speculative-config", "-sc"})
     if used:
         raise LaunchError(

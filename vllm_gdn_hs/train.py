@@ -70,7 +70,6 @@ def register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``speculators train`` with ``argv`` (default: this command's arguments)."""
     register()
     from speculators.train.cli import main as train
     from speculators.train.config import TrainConfig

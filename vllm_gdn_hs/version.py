@@ -63,7 +63,6 @@ def supported_vllm() -> SpecifierSet:
 
 
 def installed(dist: str) -> str | None:
-    """The installed version of a distribution, or None."""
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -152,7 +151,6 @@ def nearest_release(version: Version) -> str:
 
 
 def install_command(release: str) -> str:
-    """The command that installs vLLM ``release`` beside this package."""
     if release in NEEDS_OVERRIDES:
         return (
             f"uv pip install 'vllm=={release}' --override overrides.txt (the file is in "

@@ -144,20 +144,14 @@ class HostRing:
                 while (start := self._fit(num_tokens)) is None:
                     self.wait_for_room()
                 waited = time.monotonic() - began
-            end = start + num_tokens
-            rows = self.hidden_states[start:end]
-            layers = None
+            span = slice(start, start + num_tokens)
+            rows, layers = self.hidden_states[span], None
             if layer_major:
                 layers = rows.view(-1).view(rows.shape[1], num_tokens, rows.shape[2])
                 rows = layers.permute(1, 0, 2)
+            event = torch.cuda.Event() if self.stream is not None else None
             slot = HostSlot(
-                self,
-                start,
-                rows,
-                self.norms[start:end],
-                self.positions[start:end],
-                torch.cuda.Event() if self.stream is not None else None,
-                layers,
+                self, start, rows, self.norms[span], self.positions[span], event, layers
             )
             self.live.append(slot)
         return slot, waited

@@ -1,30 +1,24 @@
 """Hand the target model's aux hidden states to the connector after every forward pass.
 
 Why: the config patch drops the ``extract_hidden_states`` speculative config (no drafter, no
-draft tokens, no extra GDN state), so the runner itself asks the model for the aux hidden
-states of the chosen layers and gives them to the connector, which streams them out.
+draft tokens, no extra GDN state), so the runner itself asks the model for the chosen layers'
+aux hidden states and gives them to the connector.
 
 How, only when the connector is configured (what both runners do is in ``extraction.py``):
-- ``__init__``: ``use_aux_hidden_state_outputs`` on; nothing allocated;
-- ``_get_eagle3_aux_layers_from_config``: the connector's layer ids, for ``load_model``;
-- ``profile_run``: after the original, the largest step's hand-over is allocated once, so the
-  KV cache is sized with it and nothing is held between steps;
-- ``_model_forward`` (real steps only): after the original, the scheduled tokens' aux states
-  are stacked, layers in the configured order, into a fresh tensor (CUDA-graph outputs and the
-  runner's inputs are reused at once) and handed to the connector through
-  ``vllm_gdn_hs.hook.TakesHiddenStates``, which copies them on a side stream; nothing here
-  waits on the GPU;
+- ``__init__``: ``use_aux_hidden_state_outputs`` on; ``_get_eagle3_aux_layers_from_config``:
+  the connector's layer ids;
+- ``profile_run``: the largest step's hand-over is allocated once, so the KV cache is sized
+  with it and nothing is held between steps;
+- ``_model_forward`` (real steps only): the scheduled tokens' aux states, stacked in the
+  configured layer order into a fresh tensor, go to the connector, which copies them on a
+  side stream; nothing here waits on the GPU;
 - ``_determine_batch_execution_and_padding``: a step of one-token requests that starts a
-  prompt is not a uniform decode batch. vLLM would replay it as a FULL decode CUDA graph, but
-  the GDN backend builds a prompt's first chunk as a prefill (no prior state), which that graph
-  does not run: the request would read a recycled state, wrong at every layer. It runs as a
-  piecewise graph instead.
+  prompt runs as a piecewise graph, not as a FULL decode CUDA graph, which would not run the
+  GDN backend's prefill of the prompt's first chunk: the request would read a recycled state.
 
 Applied up to vLLM 0.33.0 (``version.V1_RUNNER_UNTIL``); on 0.33.0 only when vLLM picks this
-runner (``VLLM_USE_V2_MODEL_RUNNER=0``).
-
-Upstream: no equivalent. Remove when vLLM extracts hidden states without speculative decoding,
-or when 0.33.0 leaves the supported releases. Twin: ``patches/*/0004-*.patch``.
+runner. Upstream: no equivalent. Remove when vLLM extracts hidden states without speculative
+decoding, or when 0.33.0 leaves the supported releases. Twin: ``patches/*/0004-*.patch``.
 """
 
 from __future__ import annotations

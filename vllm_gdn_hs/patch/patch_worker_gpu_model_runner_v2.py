@@ -1,24 +1,19 @@
 """Hand the aux hidden states to the connector after every forward pass: Model Runner V2.
 
-Why: Model Runner V2 (vLLM's default from 0.33.0, its only runner from 0.34.0) returns the
-aux hidden states only to a drafter, and the config patch drops the speculative config, so
-this runner itself asks the model for the chosen layers and gives them to the connector.
+Why: Model Runner V2 (vLLM's default from 0.33.0, its only runner from 0.34.0) returns aux
+hidden states only to a drafter, and the config patch drops the speculative config.
 
 How, only when the connector is configured:
 - ``__init__``: ``use_aux_hidden_state_outputs`` on (the CUDA-graph manager then keeps output
-  buffers for them); nothing allocated;
+  buffers for them);
 - ``load_model``: the original runs with the flag off (it reads it as "a drafter's layers"),
   then the model returns the connector's layers (``SupportsEagle3``) and the layer sink is
   installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
-- ``profile_run``: after the original, the largest step's hand-over is allocated once, so the
-  KV cache is sized with it (0.34.0's extensible KV cache keeps that peak free as headroom);
-- ``execute_model``: after a real forward pass with the connector on (no dummy run, no
-  warm-up), the scheduled tokens' aux states go to the connector
-  (:func:`~vllm_gdn_hs.patch.extraction.hand_over`) before ``sample_tokens``, whose
-  ``post_forward`` calls ``wait_for_save``: the V1 runner's order.
-
-V2 keeps prefill chunks out of FULL decode CUDA graphs itself, so the V1 runner's dispatch
-guard has no twin here.
+- ``profile_run``: the largest step's hand-over is allocated once, so the KV cache is sized
+  with it (0.34.0's extensible KV cache keeps that peak free as headroom);
+- ``execute_model``: after a real forward pass with the connector on, the scheduled tokens'
+  aux states go to the connector before ``sample_tokens`` calls ``wait_for_save``. (V2 keeps
+  prefill chunks out of FULL decode CUDA graphs itself: no dispatch guard as in V1.)
 
 Upstream: no equivalent; ``patches/upstream/`` proposes the same hand-over through V2's
 ``KVConnector`` interface. Twin: ``patches/*/*-gpu-model-runner-v2-*.patch``.
