@@ -13,9 +13,13 @@ import argparse
 import os
 from typing import Any, ClassVar
 
-from vllm_gdn_hs.config import kv_transfer_config
+from pydantic import ValidationError
+
+from vllm_gdn_hs import files
+from vllm_gdn_hs.config import HiddenStatesConfig, kv_transfer_config, problems
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import LaunchError
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
 # Connector options the launcher sets from its own flags.
 LAUNCHER_OPTIONS = {
@@ -43,10 +47,8 @@ class FileLaunch:
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
         """The folder must take files before vLLM starts (made if missing, not with --dry-run)."""
-        from vllm_gdn_hs.files import check_storage_path
-
         path = cls.storage_options(args)["shared_storage_path"]
-        if why := check_storage_path(path, make=not args.dry_run):
+        if why := files.check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
                 f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
                 "can write to"
@@ -60,10 +62,6 @@ class FileLaunch:
     @classmethod
     def build_kv_transfer_config(cls, args: argparse.Namespace, user: dict) -> dict:
         """Ours, with the user's ``--kv-transfer-config`` settings merged in."""
-        from pydantic import ValidationError
-
-        from vllm_gdn_hs.config import HiddenStatesConfig, problems
-
         for key, ours in (("kv_connector", CONNECTOR_NAME), ("kv_role", "kv_producer")):
             if user.get(key, ours) != ours:
                 raise LaunchError(
@@ -111,8 +109,6 @@ class MooncakeLaunch(FileLaunch):
     def check_storage(cls, args: argparse.Namespace) -> None:
         """The master must answer before vLLM starts (not with --dry-run: no network)."""
         if not args.dry_run:
-            from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
-
             check_master(MooncakeOptions(**cls.storage_options(args)["mooncake"]))
 
     @classmethod

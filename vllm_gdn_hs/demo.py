@@ -59,13 +59,6 @@ def tiny_hybrid_config(
     )
 
 
-def build_tiny_hybrid(path: str, **kw) -> str:
-    """A model folder with :func:`tiny_hybrid_config` and random bf16 weights (seed 0)."""
-    from vllm_gdn_hs.checkpoint import save_random_checkpoint
-
-    return save_random_checkpoint(path, tiny_hybrid_config(**kw))
-
-
 LAYERS = [1, 4, 6, 8]
 PROMPT_LENS = [1, 17, 100, 700, 1500]
 BAR = 0.03
@@ -82,6 +75,7 @@ def run_demo(workdir: str) -> int:
         return 1
     from vllm import LLM, SamplingParams
 
+    from vllm_gdn_hs.checkpoint import save_random_checkpoint
     from vllm_gdn_hs.config import extraction_config
     from vllm_gdn_hs.files import load_hidden_states
     from vllm_gdn_hs.reference import (
@@ -91,7 +85,8 @@ def run_demo(workdir: str) -> int:
         relative_errors,
     )
 
-    model = build_tiny_hybrid(os.path.join(workdir, "tiny-qwen3.5-hybrid"))
+    model = os.path.join(workdir, "tiny-qwen3.5-hybrid")
+    save_random_checkpoint(model, tiny_hybrid_config())  # random bf16 weights, seed 0
     storage = os.path.join(workdir, "hidden_states")
     rng = random.Random(0)
     prompts = [[rng.randrange(0, 1000) for _ in range(n)] for n in PROMPT_LENS]

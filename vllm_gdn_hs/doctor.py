@@ -11,7 +11,20 @@ import time
 from collections.abc import Iterator
 from importlib import metadata
 
-from vllm_gdn_hs.version import installed
+from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.files import check_storage_path
+from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
+from vllm_gdn_hs.version import (
+    ALLOW_UNTESTED,
+    UnsupportedVllmError,
+    check_vllm,
+    describe_releases,
+    installed,
+    installed_vllm,
+    is_untested,
+    runner_in_use,
+)
 
 Row = tuple[str, str, str | None]  # (item, value, problem or None)
 SKIPPED = "skipped (needs "
@@ -37,8 +50,6 @@ def _compress(ids: list[int]) -> str:
 
 def mooncake_checks(master: str) -> list[Row]:
     """A Mooncake wheel that loads, and the master at ``master`` (host:port) answering."""
-    from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
-
     wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := installed(d))]
     problem = None
     if not wheels:
@@ -100,8 +111,6 @@ def install_checks() -> list[Row]:
 
 def model_checks(model: str) -> tuple[list[Row], int | None]:
     """The model's rows and its hidden size (None where its config cannot be read)."""
-    from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
-
     try:
         info = read_model_info(model)
     except ModelConfigError as e:
@@ -121,16 +130,6 @@ def model_checks(model: str) -> tuple[list[Row], int | None]:
 def vllm_checks() -> list[Row]:
     """vLLM, the plugin's loading through vLLM's own loader, its patches and runner; a check
     whose prerequisite failed says ``skipped (needs ...)``."""
-    from vllm_gdn_hs.version import (
-        ALLOW_UNTESTED,
-        UnsupportedVllmError,
-        check_vllm,
-        describe_releases,
-        installed_vllm,
-        is_untested,
-        runner_in_use,
-    )
-
     vllm_v = installed_vllm()
     try:
         check_vllm()
@@ -194,8 +193,6 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
 def storage_checks(path: str, hidden_size: int | None) -> list[Row]:
     """The hidden-states folder: writable, free space, write speed, and what those mean in
     tokens at speculators' default of 4 layers when the model's hidden size is known."""
-    from vllm_gdn_hs.files import check_storage_path
-
     try:
         if why := check_storage_path(path):
             raise ValueError(
@@ -258,8 +255,6 @@ def host_memory_checks(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -
     waiting for their files). A FAIL only where a memory cgroup caps the job below it (the
     kernel would kill the server when the backlog fills); free memory moves, so it is only
     reported."""
-    from vllm_gdn_hs.config import HiddenStatesConfig
-
     backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
     avail = None
     errors = (OSError, StopIteration, ValueError, IndexError)

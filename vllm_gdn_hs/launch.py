@@ -28,6 +28,7 @@ from vllm_gdn_hs.model_info import (
     read_model_info,
     validate_layer_ids,
 )
+from vllm_gdn_hs.patch import runtime_patches
 from vllm_gdn_hs.serve_args import (
     LaunchError,
     check_vllm_args,
@@ -37,7 +38,7 @@ from vllm_gdn_hs.serve_args import (
     shutdown_env,
     take_kv_transfer_config,
 )
-from vllm_gdn_hs.version import ALLOW_UNTESTED, is_untested
+from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
 
 _USAGE = (
     "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
@@ -200,9 +201,6 @@ def preflight(args: argparse.Namespace) -> None:
     """Every probe, in one step, before ``vllm serve`` would fail after minutes: the vLLM
     release (on an untested one, every method the runtime patches wrap); unless --dry-run, a
     visible GPU; then the storage (with --dry-run, without making anything)."""
-    from vllm_gdn_hs.patch import runtime_patches
-    from vllm_gdn_hs.version import UnsupportedVllmError, check_vllm
-
     try:
         check_vllm()
         if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone

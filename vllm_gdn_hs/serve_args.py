@@ -10,6 +10,7 @@ import math
 import os
 import sys
 
+from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.model_info import ModelInfo
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import engine_wait_from_env
@@ -158,8 +159,6 @@ TEARDOWN_S = 30
 
 def drain_seconds(kv_transfer_config: dict) -> float:
     """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
-    from vllm_gdn_hs.config import HiddenStatesConfig
-
     extra = kv_transfer_config.get("kv_connector_extra_config") or {}
     default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
     return extra.get("shutdown_drain_s", default)

@@ -26,6 +26,7 @@ from hs_connectors.transfer import (
 )
 
 from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.storage.mooncake_options import advertise_address
 
 BACKEND = "mooncake-fp8"
 
@@ -46,8 +47,6 @@ class MooncakeFP8Train(MooncakeBackend):
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> MooncakeFP8Transfer:
-        from vllm_gdn_hs.storage.mooncake_options import advertise_address
-
         store = MooncakeBackend.from_train_args(args, data_path).store
         advertise_address(store.config.local_hostname)  # before setup: this host's address
         return MooncakeFP8Transfer(store)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_gdn_hs.config import HiddenStatesConfig
+from vllm_gdn_hs.model_info import validate_layer_ids
 from vllm_gdn_hs.names import CONNECTOR_NAME
-from vllm_gdn_hs.version import requirement
+from vllm_gdn_hs.version import requirement, runs_model_runner_v2
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,14 +63,10 @@ def validate_vllm_config(
             f"{CONNECTOR_NAME} does not support prefill context parallelism (each rank would "
             "hold part of a prompt's hidden states): leave --prefill-context-parallel-size at 1"
         )
-    from vllm_gdn_hs.model_info import validate_layer_ids
-
     try:
         validate_layer_ids(layer_ids, n)
     except ValueError as e:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
-    from vllm_gdn_hs.version import runs_model_runner_v2
-
     # Before 0.33.0 only the V1 runner is patched (vLLM decides the runner in VllmConfig from
     # 0.26.0, by the variable before); from 0.33.0 the patched V2 runner is the plugin's path.
     if not runs_model_runner_v2() and _v2_model_runner_chosen(vllm_config):
@@ -87,8 +84,6 @@ def validate_vllm_config(
 
 
 def _v2_model_runner_chosen(vllm_config: VllmConfig) -> bool:
-    """Whether vLLM runs Model Runner V2 (releases before 0.33.0: its config property, or,
-    where it has none, the variable)."""
     import vllm.envs as envs
 
     chosen = getattr(vllm_config, "use_v2_model_runner", None)

@@ -87,12 +87,10 @@ class HybridHiddenStatesConnectorScheduler:
         self._finished = []
         self.aborted.clear()  # vLLM sends abort outputs right after finish_requests
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id not in self._paths:
-                continue
-            path, rows, _ = self._paths[new.req_id]
-            meta.new_requests.append(
-                NewRequest(new.req_id, path, len(new.prompt_token_ids or ()), rows)
-            )
+            if new.req_id in self._paths:
+                path, rows, _ = self._paths[new.req_id]
+                prompt = len(new.prompt_token_ids or ())
+                meta.new_requests.append(NewRequest(new.req_id, path, prompt, rows))
         return meta
 
     def on_finished(self, request: Request) -> dict[str, Any] | None:
@@ -112,9 +110,8 @@ class HybridHiddenStatesConnectorScheduler:
             return {"hidden_states_error": why}
         if path is None:
             return None
-        if include_output_tokens:
-            token_ids = list(request.all_token_ids[:-1])  # the last one was never run
-        else:
-            token_ids = list(request.prompt_token_ids or ())
+        # With the outputs, all but the last token: it was never run.
+        ran = request.all_token_ids[:-1] if include_output_tokens else request.prompt_token_ids
+        token_ids = list(ran or ())
         self._finished.append(FinishedRequest(req_id, token_ids))
         return self.storage.response(path, len(token_ids), include_output_tokens)

@@ -12,6 +12,7 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.version import (
     RELEASES,
     UnsupportedVllmError,
@@ -57,8 +58,6 @@ class Patch:
     applied: bool = False
 
     def apply(self) -> None:
-        from vllm_gdn_hs.names import init_logger
-
         logger = init_logger(__name__)
         if self.applied or getattr(self.target, "_vllm_gdn_hs_patched", False):
             raise RuntimeError(f"{self.target.__qualname__} is already patched")

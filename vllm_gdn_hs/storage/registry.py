@@ -6,13 +6,11 @@ from vllm_gdn_hs.storage.base import HiddenStatesStorage, StorageConfig
 from vllm_gdn_hs.storage.file import FileStorage
 from vllm_gdn_hs.storage.mooncake import MooncakeStorage
 
-# One line per backend: its module holds both its halves.
 STORAGES: dict[str, type[HiddenStatesStorage]] = {"file": FileStorage, "mooncake": MooncakeStorage}
 
 
 def storage_for(cfg: StorageConfig) -> HiddenStatesStorage:
-    """The backend whose options ``cfg`` sets (``options_field``), else the file backend; not
-    opened yet (``open_scheduler_side`` or ``open_worker_side``)."""
+    """The backend whose options ``cfg`` sets (``options_field``), else files; not opened yet."""
     for cls in STORAGES.values():
         if cls.options_field and getattr(cfg, cls.options_field, None) is not None:
             return cls(cfg)
