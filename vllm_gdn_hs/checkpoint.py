@@ -34,9 +34,8 @@ def text_model(config: dict):
 
 
 def save_random_checkpoint(path: str, config: dict, seed: int = 0) -> str:
-    """A model folder holding ``config`` and random bf16 weights, built with transformers;
-    a multimodal config gets its language model's weights only, under the checkpoint's
-    names."""
+    """A model folder holding ``config`` and random bf16 weights (a multimodal config: its
+    language model's only, under the checkpoint's names)."""
     import torch
     from safetensors.torch import save_file
 
@@ -67,9 +66,8 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def load_text_model(path: str, device: str = "cuda", dtype=None):
-    """The HF causal LM of a model folder (the language model of a multimodal one, whose
-    vision tower and MTP weights are skipped), in ``dtype`` (default bf16, as saved; fp32
-    upcasts the same bf16 weights). One or several safetensors shards."""
+    """The HF causal LM of a model folder (a multimodal one's language model), in ``dtype``
+    (default bf16, as saved; fp32 upcasts the same weights), from one or several shards."""
     import torch
     from safetensors.torch import load_file
 

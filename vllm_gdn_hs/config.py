@@ -79,9 +79,8 @@ class HiddenStatesConfig(BaseModel):
 
 
 class RequestParams(BaseModel):
-    """The per-request ``kv_transfer_params`` the connector reads. They come from the network,
-    so they are checked here, on the scheduler side, before anything uses them; keys for
-    other connectors are left alone."""
+    """The per-request ``kv_transfer_params`` the connector reads, from the network: checked
+    before anything uses them; other connectors' keys are left alone."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -21,9 +21,8 @@ def tiny_hybrid_config(
     linear_num_key_heads: int = 2,
     linear_num_value_heads: int = 4,
 ) -> dict:
-    """A tiny Qwen3.5 config (``Qwen3_5ForConditionalGeneration``: GDN layers with a full-attention
-    layer every 4th, and a tiny vision tower vLLM skips with ``language_model_only=True``); GDN
-    key and value heads of 64 dims (value heads a multiple of key heads)."""
+    """A tiny Qwen3.5 config: GDN layers with full attention every 4th, GDN heads of 64 dims
+    (value heads a multiple of key heads), a tiny vision tower (``language_model_only``)."""
     layer_types = [
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
         for i in range(num_hidden_layers)

@@ -251,10 +251,8 @@ def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int 
 
 
 def host_memory_checks(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> list[Row]:
-    """Host memory against the writer's default write_backlog_gb (finished requests' rows
-    waiting for their files). A FAIL only where a memory cgroup caps the job below it (the
-    kernel would kill the server when the backlog fills); free memory moves, so it is only
-    reported."""
+    """Host memory against the writer's default write_backlog_gb. A FAIL only where a memory
+    cgroup caps the job below it (the kernel would kill the server when the backlog fills)."""
     backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
     avail = None
     errors = (OSError, StopIteration, ValueError, IndexError)
@@ -315,14 +313,10 @@ def checks(*args: str | None) -> list[Row]:
     return [row for rows in iter_checks(*args) for row in rows]
 
 
-def run_doctor(
-    model: str | None = None,
-    hidden_states_path: str | None = None,
-    mooncake_master: str | None = None,
-) -> int:
-    """Print each group of rows as soon as it is known; exit 1 if any row failed."""
+def run_doctor(*args: str | None) -> int:
+    """Print each group of :func:`iter_checks`' rows as soon as it is known; 1 if any failed."""
     problems = []
-    for rows in iter_checks(model, hidden_states_path, mooncake_master):
+    for rows in iter_checks(*args):
         for item, value, problem in rows:
             mark = "FAIL" if problem else "skip" if value.startswith(SKIPPED) else "ok"
             print(f"{mark:4}  {item:<40}  {value}", flush=True)

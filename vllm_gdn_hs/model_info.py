@@ -93,32 +93,23 @@ def cached_model_folder(model: str) -> str | None:
 def _probe_hub(model: str) -> None:
     """One request for the config's metadata, no retries (hub downloads retry for about 20 s):
     a hub that cannot be reached or serve ``model`` raises ModelConfigError at once."""
-    import inspect
-
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 
-    if constants.HF_HUB_OFFLINE:
-        raise ModelConfigError(
-            f"{model!r} is no local folder and not in the local HF cache, and HF_HUB_OFFLINE "
-            f"is set: {hub_fix(model)}"
-        )
-    no_retry = {}
-    if "retry_on_errors" in inspect.signature(get_hf_file_metadata).parameters:
-        no_retry["retry_on_errors"] = False
     try:
-        url = hf_hub_url(model, "config.json")
-        get_hf_file_metadata(url, timeout=HUB_PROBE_TIMEOUT_S, **no_retry)
+        if constants.HF_HUB_OFFLINE:
+            why = "HF_HUB_OFFLINE is set"
+        else:  # retry_on_errors is False by default
+            get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=HUB_PROBE_TIMEOUT_S)
+            return
     except Exception as e:
-        answered = getattr(e, "response", None) is not None
         why = (
             f"the hub answered {str(e).splitlines()[0]}"
-            if answered
+            if getattr(e, "response", None) is not None
             else f"cannot reach the HF hub at {constants.ENDPOINT} ({type(e).__name__})"
         )
-        raise ModelConfigError(
-            f"{model!r} is no local folder and not in the local HF cache, and {why}: "
-            f"{hub_fix(model)}"
-        ) from None
+    raise ModelConfigError(
+        f"{model!r} is no local folder and not in the local HF cache, and {why}: {hub_fix(model)}"
+    )
 
 
 def _hub_config_path(model: str) -> str:

@@ -9,14 +9,10 @@ _registered = False
 
 
 def register() -> None:
-    """Check the vLLM version, apply its runtime patches, register the connector.
-
-    Idempotent and cheap: the connector is registered by module path (its torch-heavy code is
-    imported only when a config names it); the patches are inert unless the engine's config
-    names our connector. On an unsupported vLLM it never raises (vLLM calls it in every
-    process): it logs one warning, applies nothing, and registers :mod:`vllm_gdn_hs.unsupported`
-    under the connector's name, so that naming the connector fails with the reason.
-    """
+    """Check the vLLM version, apply its runtime patches, register the connector (by module
+    path: its code is imported only when a config names it; the patches are inert unless one
+    does). On an unsupported vLLM it never raises (vLLM calls it in every process): it logs a
+    warning and registers :mod:`vllm_gdn_hs.unsupported` under the connector's name."""
     global _registered
     if _registered:
         return

@@ -175,10 +175,8 @@ def untested_note(version: Version) -> str:
 
 
 def check_vllm(version: Version | None = None) -> Version:
-    """Return the installed vLLM version, or raise naming the supported ones and the nearest.
-
-    A release newer than every supported one passes only with ``ALLOW_UNTESTED=1``; then
-    :func:`vllm_gdn_hs.patch.runtime_patches` probes the vLLM methods they wrap."""
+    """The installed vLLM version, or UnsupportedVllmError naming the supported ones and the
+    nearest (a newer release passes with ``ALLOW_UNTESTED=1``)."""
     version = version if version is not None else installed_vllm()
     if version is None:
         raise UnsupportedVllmError(

@@ -54,7 +54,7 @@ class Drain:
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks
         self.tasks: queue.Queue[Task] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name="hs-drain", daemon=False)
+        self.thread = threading.Thread(target=self._run, name="hs-drain", daemon=False)
         self.thread.start()
 
     # -- engine thread ----------------------------------------------------------------
@@ -101,35 +101,31 @@ class Drain:
         return not self.thread.is_alive()
 
     # -- drain thread -----------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            self._run()
-        finally:
-            self.writer.producer_done.set()  # the writer's last producer is gone
-
     @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _run(self) -> None:
-        while True:
-            try:
-                task = self.tasks.get(timeout=0.5)
-            except queue.Empty:
-                if not threading.main_thread().is_alive():
-                    return  # the process is ending without close(): the queue is done
-                continue
-            try:
-                match task:
-                    case StepRows():
-                        self._on_rows(task)
-                    case FinishedRequest():
-                        self._on_finish(task)
-                    case threading.Event():
-                        task.set()
-                    case None:
-                        return
-            except Exception:
-                logger.exception(
-                    "%s: hidden-state drain task %s failed", CONNECTOR_NAME, type(task).__name__
-                )
+        try:
+            while True:
+                try:
+                    task = self.tasks.get(timeout=0.5)
+                except queue.Empty:
+                    if not threading.main_thread().is_alive():
+                        return  # the process is ending without close(): the queue is done
+                    continue
+                try:
+                    match task:
+                        case StepRows():
+                            self._on_rows(task)
+                        case FinishedRequest():
+                            self._on_finish(task)
+                        case threading.Event():
+                            task.set()
+                        case None:
+                            return
+                except Exception:
+                    name = type(task).__name__
+                    logger.exception("%s: hidden-state drain task %s failed", CONNECTOR_NAME, name)
+        finally:
+            self.writer.producer_done.set()  # the writer's last producer is gone
 
     def _on_rows(self, task: StepRows) -> None:
         slot, qsl = task.slot, task.qsl

@@ -20,10 +20,9 @@ from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
 def rows_and_norms(hidden_states: torch.Tensor, fp8: bool, chunk: int = CHUNK_TOKENS):
-    """What goes to the host for rows [T, L, H]: the rows (with ``fp8``, quantized with
-    hs-connectors' per-token float8_e4m3fn scaling) and [T, L] float32 norms of the
-    unquantized rows (with ``fp8``, [T, L + 1]: each row's scale as a last column). In chunks
-    of ``chunk`` tokens; both are per token, so the chunks change no value."""
+    """What goes to the host for rows [T, L, H]: the rows (``fp8``: quantized per token as
+    hs-connectors does) and [T, L] float32 norms of the unquantized rows (``fp8``: [T, L + 1],
+    each row's scale last), in chunks of ``chunk`` tokens (per token: no value changes)."""
     num_tokens, num_layers = hidden_states.shape[:2]
     norms = hidden_states.new_empty((num_tokens, num_layers + fp8), dtype=torch.float32)
     rows = hidden_states
@@ -78,9 +77,8 @@ class HostSlot:
 
 def _side_copy(stream, pairs, done=None, keep=()) -> None:
     """Copy each (host, GPU) pair on the side ``stream`` once the compute stream has made the
-    GPU tensors, so that the compute stream does not wait for the copy; ``record_stream`` keeps
-    them (and ``keep``) from being reused before the copies end, and the event ``done`` marks
-    the end. Without a stream or on CPU tensors, plain copies."""
+    GPU tensors (it does not wait for the copy); ``record_stream`` keeps them (and ``keep``)
+    alive until the copies end, which the event ``done`` marks. On CPU, plain copies."""
     if stream is None or not pairs[0][1].is_cuda:
         for dst, src in pairs:
             dst.copy_(src)

@@ -75,9 +75,8 @@ class WriterStats:
 
 
 class StatsBook:
-    """One :class:`WriterStats` shared by the engine, drain and write threads, behind one lock;
-    :meth:`interval` gives the change since its last call (vLLM's connectors report per
-    interval)."""
+    """One :class:`WriterStats` for the engine, drain and write threads, behind one lock;
+    :meth:`interval` gives the change since its last call (vLLM's per-interval reports)."""
 
     def __init__(self):
         self.lock = threading.Lock()
