@@ -75,9 +75,8 @@ def hf_hidden_states(
 
         return fn
 
-    handles = [layers[i - 1].register_forward_hook(hook(i)) for i in layer_ids if i > 0]
-    if 0 in layer_ids:
-        handles.append(model.get_input_embeddings().register_forward_hook(hook(0)))
+    modules = {i: layers[i - 1] if i else model.get_input_embeddings() for i in layer_ids}
+    handles = [module.register_forward_hook(hook(i)) for i, module in modules.items()]
     device = next(model.parameters()).device
     by_len: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):

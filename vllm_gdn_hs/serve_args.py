@@ -33,24 +33,19 @@ def _flag(arg: str) -> tuple[str, str | None] | None:
 def _last_value(args: list[str], names: set[str]) -> tuple[str, str | None] | None:
     """The last use of a flag in ``names`` and its value (after ``=`` or the next argument)."""
     found = None
-    for i, arg in enumerate(args):
-        parsed = _flag(arg)
-        if parsed and parsed[0] in names:
-            value = parsed[1]
-            if value is None and i + 1 < len(args):
-                value = args[i + 1]
-            found = (parsed[0], value)
+    for arg, following in zip(args, [*args[1:], None], strict=False):
+        if (parsed := _flag(arg)) and parsed[0] in names:
+            found = (parsed[0], following if parsed[1] is None else parsed[1])
     return found
 
 
 def _bool_flag(args: list[str], name: str) -> bool | None:
     """What ``--name`` / ``--no-name`` leave set (the last one wins); None if not given."""
     state = None
-    for arg in args:
-        parsed = _flag(arg)
-        if parsed and parsed[0] == f"--{name}":
-            state = parsed[1] is None or parsed[1].lower() not in {"false", "0", "no", "off"}
-        elif parsed and parsed[0] == f"--no-{name}":
+    for flag, value in filter(None, map(_flag, args)):
+        if flag == f"--{name}":
+            state = value is None or value.lower() not in {"false", "0", "no", "off"}
+        elif flag == f"--no-{name}":
             state = False
     return state
 
