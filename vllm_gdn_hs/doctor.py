@@ -14,6 +14,8 @@ from importlib import metadata
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.files import check_storage_path
 from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
+from vllm_gdn_hs.names import CONNECTOR_NAME
+from vllm_gdn_hs.patch import apply_patches
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 from vllm_gdn_hs.version import (
     ALLOW_UNTESTED,
@@ -150,9 +152,6 @@ def vllm_checks() -> list[Row]:
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.plugins import load_general_plugins
-
-        from vllm_gdn_hs.names import CONNECTOR_NAME
-        from vllm_gdn_hs.patch import apply_patches
 
         load_general_plugins()
         if CONNECTOR_NAME not in KVConnectorFactory._registry:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
+from vllm.distributed.parallel_state import get_tp_group
 
 from vllm_gdn_hs.connector.checks import config_from, validate_vllm_config
 from vllm_gdn_hs.connector.metadata import (
@@ -69,7 +70,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             self._scheduler = HybridHiddenStatesConnectorScheduler(
                 self.cfg, self.layer_ids, model.max_model_len, hidden, dtype
             )
-        elif _is_writer_rank():  # only tensor-parallel rank 0 writes; the others stage nothing
+        elif get_tp_group().rank_in_group == 0:  # only tensor-parallel rank 0 writes
             max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
             cuda = torch.cuda.is_available()
             device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
@@ -192,9 +193,3 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
-
-
-def _is_writer_rank() -> bool:
-    from vllm.distributed.parallel_state import get_tp_group
-
-    return get_tp_group().rank_in_group == 0

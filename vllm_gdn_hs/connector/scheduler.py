@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.request import Request, RequestStatus
+
 from vllm_gdn_hs.config import HiddenStatesConfig, request_params
 from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
@@ -21,7 +23,6 @@ from vllm_gdn_hs.storage.registry import storage_for
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -94,8 +95,6 @@ class HybridHiddenStatesConnectorScheduler:
 
     def on_finished(self, request: Request) -> dict[str, Any] | None:
         """The response's ``kv_transfer_params``; the worker is told next step."""
-        from vllm.v1.request import RequestStatus
-
         req_id = request.request_id
         path, _, include_output_tokens = self._paths.pop(req_id, (None, 0, False))
         why = self._refused.pop(req_id, None)

@@ -38,16 +38,13 @@ _orig_post_init = VllmConfig.__post_init__
 _orig_v2_unsupported = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
 
 
-def _vllm_decides_hma_per_connector() -> bool:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    return hasattr(KVConnectorFactory, "supports_hma_config")
-
-
 def _connector_supports_hma(vllm_config: VllmConfig) -> bool:
+    """Where vLLM does not decide it per connector itself (before 0.26.0)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
+    if hasattr(KVConnectorFactory, "supports_hma_config"):
+        return False  # vLLM decides
     try:
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     except Exception:  # unknown connector: vLLM reports it later, in its own words
@@ -89,7 +86,6 @@ def __post_init__(self: VllmConfig) -> None:
     if (
         kv is not None
         and kv.kv_connector is not None
-        and not _vllm_decides_hma_per_connector()
         and self.scheduler_config.disable_hybrid_kv_cache_manager is None
         and current_platform.support_hybrid_kv_cache()
         and (self.model_config is None or self.model_config.attention_chunk_size is None)
@@ -102,7 +98,7 @@ def __post_init__(self: VllmConfig) -> None:
 
         set_window(self)  # the engine core's time to drain at SIGINT/SIGTERM
     if is_ours(kv) and self.model_config is not None:
-        from vllm_gdn_hs.connector.checks import validate_vllm_config
+        from vllm_gdn_hs.connector.checks import validate_vllm_config  # the connector: lazily
 
         validate_vllm_config(self)  # fail now, not after the model is loaded
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import inspect
 
 import torch
+from vllm.distributed.kv_transfer import has_kv_transfer_group
+from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 
@@ -55,8 +57,6 @@ def __init__(self, vllm_config, device) -> None:
 def load_model(self, *args, **kwargs) -> None:
     if not getattr(self, "hidden_states_layer_ids", None):
         return _orig_load_model(self, *args, **kwargs)
-    from vllm.model_executor.models.interfaces import supports_eagle3
-
     self.use_aux_hidden_state_outputs = False  # vLLM's reads it as "a drafter's aux layers"
     try:
         _orig_load_model(self, *args, **kwargs)
@@ -78,8 +78,6 @@ def profile_run(self, *args, **kwargs) -> None:
 
 
 def execute_model(self, scheduler_output, *args, **kwargs):
-    from vllm.distributed.kv_transfer import has_kv_transfer_group
-
     dummy_run = _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
         "dummy_run", False
     )
