@@ -1,11 +1,10 @@
-"""The hidden-states file contract, in one place: names, paths, locks, writes, headers.
+"""The hidden-states file contract (no torch at import): names, paths, locks, writes, headers.
 
-No torch at import. The file, as speculators and vLLM's ``ExampleHiddenStatesConnector``
-define it: ``{folder}/{name}.safetensors`` with ``hidden_states`` [T, L, H] (model dtype) and
-``token_ids`` [T] int64; ``<file>.lock`` is ``flock``-ed by the writer before the response
-leaves and released once the file is complete; the reader takes it, deletes it, reads the
-file. Request ids come from the network: :func:`file_name` encodes them into a name that
-cannot leave the folder, and :func:`inside` checks every final path anyway.
+As speculators and vLLM's ``ExampleHiddenStatesConnector`` define it: ``<name>.safetensors``
+with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64 in the folder; the writer
+``flock``s ``<file>.lock`` before the response leaves and releases it once the file is
+complete; the reader takes it, deletes it, reads the file. Request ids come from the network:
+:func:`file_name` makes a name that cannot leave the folder; :func:`inside` checks every path.
 """
 
 from __future__ import annotations

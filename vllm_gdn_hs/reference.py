@@ -1,11 +1,8 @@
-"""Hidden states from HF transformers on the same weights, and how close ours are.
-
-Layer id k is the residual stream after k decoder layers (0 = embeddings): the output of
-decoder layer k - 1, taken with a forward hook (for id N, before the final norm).
+"""Hidden states from HF transformers on the same weights (layer id k: the output of decoder
+layer k - 1, taken with a forward hook; 0: the embeddings), and how close ours are.
 
 The bar: HF in fp32 on the same bf16 weights is the truth; each layer's error is
-``||x - hf32|| / ||hf32||``, of ours and of HF's own bf16 run. bf16's error grows with depth,
-so ours is held to HF bf16's error rather than to a fixed bar, twice:
+``||x - hf32|| / ||hf32||``. bf16's error grows with depth, so ours is held to HF bf16's own:
 
 - per run and layer, the errors pooled over the run's files, ``sqrt(sum ||x - hf32||^2 /
   sum ||hf32||^2)``: ours <= ``BAR_FACTOR`` x HF bf16's (:meth:`HFReference.pooled`);

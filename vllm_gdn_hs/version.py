@@ -194,11 +194,8 @@ def check_vllm(version: Version | None = None) -> Version:
     if is_untested(release) and os.environ.get(ALLOW_UNTESTED, "").strip() == "1":
         return version
     if release not in RELEASES or Version(release) not in supported_vllm():
-        untested = (
-            f", or set {ALLOW_UNTESTED}=1 to run vllm {version} untested"
-            if is_untested(release)
-            else ""
-        )
+        allow = f", or set {ALLOW_UNTESTED}=1 to run vllm {version} untested"
+        untested = allow if is_untested(release) else ""
         raise UnsupportedVllmError(
             f"{DIST_NAME} supports vllm {describe_releases()}, found vllm {version}. "
             f"Install the nearest supported release: {install}{untested}"

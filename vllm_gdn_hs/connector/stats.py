@@ -55,8 +55,7 @@ class WriterStats:
             s, n, size = rate
             since = f"; {size / s / 1e9:.2f} GB/s, {n / s:.1f} {unit}/s over the last {s:.0f} s"
         return (
-            f"{self.files} {unit} ({self.bytes / 1e9:.2f} GB) written, {self.failed} failed, "
-            f"{self.aborted} aborted, {self.writing} writing ({self.backlog_bytes / 1e9:.2f} GB), "
+            f"{self._totals(unit)}, {self.writing} writing ({self.backlog_bytes / 1e9:.2f} GB), "
             f"{self.in_flight} requests in flight{since}; {self.timing_summary()}"
         )
 
@@ -64,10 +63,13 @@ class WriterStats:
         lost = f", {self.lost_at_shutdown} lost at shutdown" if self.lost_at_shutdown else ""
         ids = f" ({', '.join(unfinished_ids[:5])})" if unfinished_ids else ""
         return (
-            f"shut down; {self.files} {unit} ({self.bytes / 1e9:.2f} GB) written, {self.failed} "
-            f"failed, {self.aborted} aborted, {self.unfinished} unfinished{ids}{lost}; "
+            f"shut down; {self._totals(unit)}, {self.unfinished} unfinished{ids}{lost}; "
             f"{self.timing_summary()}"
         )
+
+    def _totals(self, unit: str) -> str:
+        written = f"{self.files} {unit} ({self.bytes / 1e9:.2f} GB) written"
+        return f"{written}, {self.failed} failed, {self.aborted} aborted"
 
     def counters(self) -> dict[str, float]:
         fields = dataclasses.fields(self)
