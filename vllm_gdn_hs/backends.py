@@ -113,25 +113,11 @@ class MooncakeLaunch(FileLaunch):
 
     @classmethod
     def storage_options(cls, args: argparse.Namespace) -> dict:
-        import socket
+        """``mooncake`` as hs-connectors' launcher config has it (this host's address from
+        MOONCAKE_LOCAL_HOSTNAME, else its name)."""
+        from hs_connectors.transfer import MooncakeBackend as Theirs
 
-        host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME") or socket.gethostbyname(
-            socket.gethostname()
-        )  # as speculators' launcher
-        gib = 1024**3
-        return {
-            "mooncake": {
-                "local_hostname": host,
-                "metadata_server": args.mooncake_metadata_server,
-                "master_server_address": args.mooncake_master,
-                "global_segment_size": round(args.mooncake_global_segment_gib * gib),
-                "local_buffer_size": round(args.mooncake_local_buffer_gib * gib),
-                "protocol": args.mooncake_protocol,
-                "device_name": args.mooncake_device,
-                "num_writer_threads": args.mooncake_writer_threads,
-            },
-            **cls.options,
-        }
+        return {**Theirs.build_kv_transfer_config(args)["kv_connector_extra_config"], **cls.options}
 
 
 class MooncakeFP8Launch(MooncakeLaunch):
