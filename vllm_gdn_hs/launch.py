@@ -149,8 +149,6 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """The ``vllm serve`` command and the environment it adds."""
-
     command: list[str]
     env: dict[str, str]
 

@@ -88,18 +88,14 @@ def _at_least(since: str, version: str | None) -> bool:
 
 
 def runs_model_runner_v2(version: str | None = None) -> bool:
-    """Whether extraction can run on Model Runner V2 on this release (default: installed)."""
     return _at_least(MODEL_RUNNER_V2_FROM, version)
 
 
 def has_v1_runner(version: str | None = None) -> bool:
-    """Whether this release (default: installed) still has vLLM's V1 GPU model runner."""
     return Version(release(version)) <= Version(V1_RUNNER_UNTIL)
 
 
 def engine_wait_from_env(version: str | None = None) -> bool:
-    """Whether this release (default: installed) waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for
-    its engine core processes at shutdown."""
     return _at_least(ENGINE_WAIT_FROM_ENV_FROM, version)
 
 

@@ -84,9 +84,6 @@ class Drain:
     def in_flight(self) -> int:
         return len(self.requests)
 
-    def put(self, task: Task) -> None:
-        self.tasks.put(task)
-
     def flushed(self, timeout: float) -> bool:
         """Wait until the drain thread has done every task queued before this call."""
         done = threading.Event()

@@ -61,7 +61,7 @@ class HybridHiddenStatesConnectorWorker:
         for req in meta.new_requests:
             self.drain.start_request(req)
         for fin in meta.finished_requests:
-            self.drain.put(fin)
+            self.drain.tasks.put(fin)
 
     def save(
         self,
@@ -103,7 +103,7 @@ class HybridHiddenStatesConnectorWorker:
                 (gauges := self.writer.gauges())["writing"],
                 gauges["backlog_bytes"] / 1e9,
             )
-        self.drain.put(StepRows(slot, req_ids, query_start_loc_cpu.tolist()))
+        self.drain.tasks.put(StepRows(slot, req_ids, query_start_loc_cpu.tolist()))
         self.book.add(steps=1, engine_waited_s=waited, engine_save_s=time.perf_counter() - t0)
         self.log_progress()
 
@@ -115,7 +115,6 @@ class HybridHiddenStatesConnectorWorker:
         return {**self.writer.gauges(), "in_flight": self.drain.in_flight}
 
     def interval_stats(self) -> dict[str, float]:
-        """The counters' change since the last call and the gauges that moved."""
         return self.book.interval(self.gauges())
 
     def log_progress(self, every: float = 30.0) -> None:

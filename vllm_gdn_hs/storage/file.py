@@ -25,7 +25,6 @@ class FileStorage(HiddenStatesStorage):
         self.storage_path = os.path.abspath(cfg.shared_storage_path)
         self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)
 
-    # -- scheduler side ---------------------------------------------------------------
     def open_scheduler_side(self, shape: RowShape) -> None:
         if why := files.check_storage_path(self.storage_path):
             raise ValueError(
@@ -66,7 +65,6 @@ class FileStorage(HiddenStatesStorage):
     def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
         return {"hidden_states_path": place}
 
-    # -- worker side ------------------------------------------------------------------
     def start(self, req_id: str, place: str) -> StoredRequest:
         fd = files.take_lock(place) if self.cfg.use_synchronization_lock else None
         return StoredRequest(req_id, place, fd)
