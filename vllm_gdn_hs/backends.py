@@ -1,10 +1,7 @@
 """The launcher's hidden-state backends (``--hidden-states-backend``, speculators' names): each
-one's launcher options, the check of its storage before vLLM starts, and the
-``kv_transfer_config`` it gives ``vllm serve``.
-
-A backend has up to three halves, named ``<backend><side>``: the launcher's ``*Launch`` (here),
-the connector's ``*Storage`` (:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train``
-(:mod:`vllm_gdn_hs.train`).
+one's options, its storage check before vLLM starts, and its ``kv_transfer_config``. A backend
+has up to three halves: the launcher's ``*Launch`` (here), the connector's ``*Storage``
+(:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train`` (:mod:`vllm_gdn_hs.train`).
 """
 
 from __future__ import annotations

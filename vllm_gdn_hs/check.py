@@ -2,15 +2,11 @@
 
 Every request is sorted into complete, being written (a live writer holds ``<file>.lock``),
 lost (a lock nobody holds and no file: the writer died) or broken (truncated, not the
-speculators layout, another layer set than the rest of the folder); temp files of writers
-that are gone are listed too. Only each file's header is read (no torch), unless ``--rows``:
-then every row goes through the connector's own NaN/Inf and all-zero check.
-
-``--reference MODEL`` also holds a sample of the complete files to HF transformers
-(:func:`run_spot_check`): a wrong state that is finite and not zero (a recycled GDN state,
-rows shifted by a token, another layer) is only seen against the model itself. Each file is
-judged on its first ``max_tokens`` tokens (a row depends only on the tokens up to it), read
-without its lock, so the trainer still finds it.
+speculators layout, another layer set than the rest of the folder); stale temp files are
+listed too. Only headers are read (no torch), unless ``--rows`` checks every row as the
+connector does. ``--reference MODEL`` holds a sample to HF transformers (:func:`run_spot_check`):
+a wrong state that is finite and not zero (a recycled GDN state, rows shifted by a token) is
+only seen against the model itself.
 """
 
 from __future__ import annotations

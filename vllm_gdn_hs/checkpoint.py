@@ -1,9 +1,7 @@
 """A model folder's checkpoint as HF transformers sees it: its language model loaded from the
-safetensors (the references), and random weights saved in the same layout (the demo's model).
-
-A multimodal (Qwen3.5/3.6) checkpoint keeps its language model under ``model.language_model.``,
-where transformers' text model has ``model.``; its vision tower and MTP weights are skipped on
-load and never saved (vLLM runs it with ``language_model_only=True``).
+safetensors, and random weights saved in the same layout. A multimodal (Qwen3.5/3.6)
+checkpoint keeps its language model under ``model.language_model.`` (transformers' text model:
+``model.``); its vision tower and MTP weights are skipped on load and never saved.
 """
 
 from __future__ import annotations

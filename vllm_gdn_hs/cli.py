@@ -1,8 +1,5 @@
-"""The ``vllm-gdn-hs`` command: doctor, config, launch, check, demo.
-
-Each subcommand imports vLLM, torch or the hub client only when it runs, so that ``--help``
-answers at once.
-"""
+"""The ``vllm-gdn-hs`` command: doctor, config, launch, check, demo. Each subcommand imports
+vLLM, torch or the hub client only when it runs, so that ``--help`` answers at once."""
 
 from __future__ import annotations
 

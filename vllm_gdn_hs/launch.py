@@ -1,12 +1,10 @@
 """Start ``vllm serve`` for hidden-state extraction: a drop-in for speculators' launcher.
 
-speculators' ``scripts/launch_vllm.py`` (0.9.0): the same options, defaults, layer ids and
-command, except that the connector is ``HybridHiddenStatesConnector`` (GDN hybrid models run
-with vLLM's hybrid KV cache manager on); ``--no-enable-prefix-caching`` and, for multimodal
-checkpoints, ``--language-model-only`` are added unless given after ``--``; the printed
-command is shell-quoted; bad input or a flag that contradicts extraction fails before vLLM
-starts; and a ``--kv-transfer-config`` after ``--`` (JSON, or vLLM's dotted form) is merged
-into the launcher's, its options checked.
+speculators' ``scripts/launch_vllm.py`` (0.9.0) with ``HybridHiddenStatesConnector`` (GDN
+hybrid models run with vLLM's hybrid KV cache manager on). It adds ``--no-enable-prefix-caching``
+and, for multimodal checkpoints, ``--language-model-only`` unless given after ``--``; merges a
+``--kv-transfer-config`` given after ``--`` into its own; and fails before vLLM starts on bad
+input or a flag that contradicts extraction.
 """
 
 from __future__ import annotations

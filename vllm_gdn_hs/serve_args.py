@@ -143,11 +143,9 @@ def _has_flashinfer() -> bool:
 
 
 # -- shutdown: time for the answered requests' files -----------------------------------------
-# On SIGINT/SIGTERM vLLM's API server SIGTERMs its engine core processes, then SIGKILLs them
-# after a wait: with --shutdown-timeout 0 (vLLM's default), 0 s on 0.33.0 and 0.34.0 unless
-# VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, 5 s on 0.20.1, which ignores it. The plugin
-# turns that 0 into shutdown_window() (patch/shutdown.py); the launcher's flags and environment
-# say the same for the worker processes.
+# vLLM's API server SIGKILLs its engine core processes soon after SIGTERM (0 s on 0.33.0 on
+# unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, 5 s on 0.20.1). The plugin sets
+# shutdown_window() (patch/shutdown.py); the launcher's flags and environment say the same.
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 TEARDOWN_S = 30
 

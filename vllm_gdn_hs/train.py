@@ -1,15 +1,14 @@
 """``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
 
-``mooncake-fp8`` objects hold the fp8 files' rows (float8_e4m3fn, one fp32 scale per token),
-which hs-connectors' ``MooncakeTransfer`` returns as stored and speculators cannot train on:
-:class:`MooncakeFP8Transfer` adds ``FP8Transfer``'s dequantization (to bf16). hs-connectors'
-registry has no entry point, so this module registers the backend, then runs speculators'
-``train`` with every argument unchanged::
+``mooncake-fp8`` objects hold fp8 rows, which hs-connectors' ``MooncakeTransfer`` returns as
+stored and speculators cannot train on: :class:`MooncakeFP8Transfer` dequantizes them as
+``FP8Transfer`` does. This module registers the backend (hs-connectors' registry has no entry
+point), then runs speculators' ``train`` with every argument unchanged::
 
     python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
     torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train
 
-It needs no vLLM: the trainer hosts import only torch, hs-connectors and speculators.
+No vLLM needed: the trainer hosts import only torch, hs-connectors and speculators.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The host rows of one request, filed by token position until its file is written (its place
-in the storage, the lock, is the worker's: :mod:`.storage`)."""
+"""The host rows of one request, filed by token position until its file is written."""
 
 from __future__ import annotations
 
@@ -8,9 +7,8 @@ import torch
 
 from vllm_gdn_hs.connector.metadata import NewRequest
 
-# Runs of up to SHORT_RUN rows (decode) are gathered per step and filed in batches of 32 to 63
-# rows per request (staggered, so that requests decoding in lockstep do not all file in the
-# same step); longer runs (prefill chunks) are copied at once.
+# Runs of up to SHORT_RUN rows (decode) are filed in batches of 32 to 63 rows per request
+# (staggered: requests decoding in lockstep do not all file in one step); longer runs at once.
 SHORT_RUN, PENDING_ROWS = 4, 32
 
 

@@ -1,8 +1,5 @@
-"""The connector's worker side (tensor-parallel rank 0): a request's rows from the GPU to its
-storage.
-
-:meth:`save` starts each step's copy into a pinned host slot (:mod:`.staging`) for the drain
-thread (:mod:`.drain`), which files the rows by request (:mod:`.request_rows`) and hands each
+"""The connector's worker side (tensor-parallel rank 0): each step's rows go into a pinned host
+slot (:mod:`.staging`), the drain thread files them by request (:mod:`.drain`) and hands each
 finished request to the writer (:mod:`.writer`). A failure costs only that request its hidden
 states (logged with its id, counted). :meth:`close` drains within ``shutdown_drain_s``.
 """

@@ -1,13 +1,11 @@
 """Make the compile cache key see the hidden-states connector's layer ids.
 
-Why: with the connector the model returns aux hidden states of the chosen layers, which
-changes the compiled graph. vLLM's torch.compile cache key covers the aux layers only
-through the speculative config, which the config patch drops, and ``KVTransferConfig`` adds
-no factors: a plain run's cache could be loaded for an extraction run (or the reverse).
+Why: returning the chosen layers' aux hidden states changes the compiled graph, and vLLM's
+torch.compile cache key covers them only through the speculative config, which the config
+patch drops: a plain run's cache could be loaded for an extraction run (or the reverse).
 
-How: wraps ``KVTransferConfig.compute_hash`` (up to 0.33.0) or, where vLLM builds the key
-from each config's ``compile_factors()`` (0.34.0), that method; for this connector the key
-also covers the connector name and its layer ids.
+How: for this connector, ``KVTransferConfig.compute_hash`` (up to 0.33.0) or
+``compile_factors()`` (0.34.0) also covers the connector name and its layer ids.
 
 Upstream: not needed where the speculative config carries the layers. Remove with the config
 patch. Twin: ``patches/*/0002-*.patch``.

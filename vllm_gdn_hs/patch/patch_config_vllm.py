@@ -1,13 +1,11 @@
 """Hidden states without speculative decoding, and HMA on, for the hidden-states connector.
 
-Why:
-- vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off whenever ``--kv-transfer-config``
-  is set and the user expressed no preference, even for a ``SupportsHMA`` connector; a GDN
-  hybrid model (Qwen3.5/3.6) cannot start without HMA.
-- speculators asks for hidden states through the ``extract_hidden_states`` speculative
-  method, which as speculative decoding costs a draft layer in the KV cache, one extra GDN
-  state block per request (a fifth of the KV cache at 27B, 8k context) and a wasted draft
-  token each decode step.
+Why: vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off for any ``--kv-transfer-config``
+the user set no preference for, even a ``SupportsHMA`` connector's, and a GDN hybrid model
+cannot start without HMA. speculators asks for hidden states through the
+``extract_hidden_states`` speculative method, which costs a draft layer in the KV cache, one
+extra GDN state block per request (a fifth of the KV cache at 27B, 8k context) and a wasted
+draft token each decode step.
 
 How: before the original ``VllmConfig.__post_init__``, for our connector, an
 ``extract_hidden_states`` speculative config is dropped, its layer ids kept in

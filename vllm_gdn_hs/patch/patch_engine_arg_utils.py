@@ -1,12 +1,11 @@
 """Default prefix caching to off when HybridHiddenStatesConnector is used.
 
 Why: a prefix-cache hit skips the forward pass of the cached tokens, so the file would miss
-their rows. The connector refuses ``enable_prefix_caching=True``; this patch turns the
-default off, so that swapping the connector name is the whole migration.
+their rows. The connector refuses ``enable_prefix_caching=True``; turning the default off
+makes swapping the connector name the whole migration.
 
-How: wraps ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``: if the user
-left ``enable_prefix_caching`` unset and the KV transfer config names the connector, it is
-set to False after vLLM's defaults (an explicit True is refused by the connector).
+How: after ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``, an unset
+``enable_prefix_caching`` becomes False when the KV transfer config names the connector.
 
 Upstream: none; vLLM's own hidden-states connector has the same limitation. Remove when the
 connector handles cached prefixes. Twin: ``patches/*/0003-*.patch``.

@@ -1,8 +1,6 @@
-"""The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``.
-
-The same keys and meaning as speculators' launcher puts there (hs-connectors'
-``MooncakeStoreConfig``), so a config written for hs-connectors' connector runs here
-unchanged. Apart from :mod:`.mooncake`, so the launcher checks it without torch or vLLM.
+"""The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``, with the keys
+of hs-connectors' ``MooncakeStoreConfig`` (a config written for its connector runs here). Apart
+from :mod:`.mooncake`, so that the launcher checks them without torch or vLLM.
 """
 
 from __future__ import annotations
