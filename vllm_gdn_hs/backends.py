@@ -76,9 +76,8 @@ class FileLaunch:
             HiddenStatesConfig(**extra, **cls.storage_options(args))
         except (ValidationError, TypeError) as e:
             why = problems(e) if isinstance(e, ValidationError) else str(e)
-            keys = ", ".join(
-                k for k in HiddenStatesConfig.model_fields if k not in LAUNCHER_OPTIONS
-            )
+            fields = HiddenStatesConfig.model_fields
+            keys = ", ".join(k for k in fields if k not in LAUNCHER_OPTIONS)
             raise LaunchError(
                 f"--kv-transfer-config kv_connector_extra_config: {why} (options: {keys})"
             ) from None

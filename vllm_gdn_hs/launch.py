@@ -165,8 +165,7 @@ def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> Launc
     """The plan for ``args`` (from :func:`parse_args`), from the arguments and the model's
     config alone: nothing is probed or made (:func:`preflight` does that)."""
     backend = backend_of(args)
-    if info is None:
-        info = read_model_info(args.model, trust_remote_code=args.trust_remote_code)
+    info = info or read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
     check_vllm_args(vllm_args, info)

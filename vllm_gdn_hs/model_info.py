@@ -17,8 +17,7 @@ _FULL = {"full_attention", "attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}
 
 
-class ModelConfigError(ValueError):
-    pass
+class ModelConfigError(ValueError): ...
 
 
 @dataclass(frozen=True)

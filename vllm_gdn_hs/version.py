@@ -43,8 +43,7 @@ ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
 ALLOW_UNTESTED = "VLLM_GDN_HS_ALLOW_UNTESTED_VLLM"
 
 
-class UnsupportedVllmError(RuntimeError):
-    pass
+class UnsupportedVllmError(RuntimeError): ...
 
 
 @functools.cache

@@ -122,16 +122,14 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         assert self._worker is not None, "take_rows gave the slot"
         self._worker.save_taken(slot, req_ids, query_start_loc_cpu, norms, positions)
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
+    def wait_for_layer_load(self, layer_name: str) -> None: ...  # nothing is loaded
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         pass  # nothing lives in the KV cache
 
-    def wait_for_save(self) -> None:
-        pass
+    def wait_for_save(self) -> None: ...  # save_hidden_states returns at once
 
     def shutdown(self) -> None:
         # vLLM calls it from the worker's shutdown, in the engine core's teardown after a

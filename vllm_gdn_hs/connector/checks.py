@@ -86,7 +86,5 @@ def validate_vllm_config(
 def _v2_model_runner_chosen(vllm_config: VllmConfig) -> bool:
     import vllm.envs as envs
 
-    chosen = getattr(vllm_config, "use_v2_model_runner", None)
-    if chosen is None:
-        chosen = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
-    return bool(chosen)
+    chosen = getattr(vllm_config, "use_v2_model_runner", None)  # 0.26.0 on; before: the variable
+    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False) if chosen is None else chosen)

@@ -70,9 +70,8 @@ class HostSlot:
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
         """The norms and positions of a layer-major slot, after its layers, on the same side
         stream; ``copied`` then marks all of the slot's copies done."""
-        _side_copy(
-            self.ring.stream, [(self.norms, norms), (self.positions, positions)], self.copied
-        )
+        pairs = [(self.norms, norms), (self.positions, positions)]
+        _side_copy(self.ring.stream, pairs, self.copied)
 
 
 def _side_copy(stream, pairs, done=None, keep=()) -> None:
@@ -104,15 +103,11 @@ class HostRing:
         cuda = device.type == "cuda"
         self.fp8 = fp8
         self.stream = torch.cuda.Stream(device=device) if cuda else None
-        self.capacity = num_slots * max_tokens
+        self.capacity = n = num_slots * max_tokens
         dtype = torch.float8_e4m3fn if fp8 else dtype
-        self.hidden_states = torch.empty(
-            (self.capacity, num_layers, hidden), dtype=dtype, pin_memory=cuda
-        )
-        self.norms = torch.empty(
-            (self.capacity, num_layers + fp8), dtype=torch.float32, pin_memory=cuda
-        )
-        self.positions = torch.empty(self.capacity, dtype=torch.int64, pin_memory=cuda)
+        self.hidden_states = torch.empty((n, num_layers, hidden), dtype=dtype, pin_memory=cuda)
+        self.norms = torch.empty((n, num_layers + fp8), dtype=torch.float32, pin_memory=cuda)
+        self.positions = torch.empty(n, dtype=torch.int64, pin_memory=cuda)
         self.live: deque[HostSlot] = deque()  # handed out, oldest first
         self.room = threading.Condition()
 
@@ -147,10 +142,8 @@ class HostRing:
             if layer_major:
                 layers = rows.view(-1).view(rows.shape[1], num_tokens, rows.shape[2])
                 rows = layers.permute(1, 0, 2)
-            event = torch.cuda.Event() if self.stream is not None else None
-            slot = HostSlot(
-                self, start, rows, self.norms[span], self.positions[span], event, layers
-            )
+            done = torch.cuda.Event() if self.stream is not None else None
+            slot = HostSlot(self, start, rows, self.norms[span], self.positions[span], done, layers)
             self.live.append(slot)
         return slot, waited
 

@@ -8,6 +8,7 @@ threads are not daemons: if the process exits without ``close()``, they finish t
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -165,14 +166,11 @@ class Writer:
             self.jobs.put(None)
         for t in self.threads:
             t.join(max(deadline - time.monotonic(), 0))
-        left: list[WriteJob] = []
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                left.append(job)
+        queued: list[WriteJob | None] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                queued.append(self.jobs.get_nowait())
+        left = [job for job in queued if job is not None]
         for _ in self.threads:  # for the threads still busy, which then end
             self.jobs.put(None)
         with self.cond:

@@ -55,9 +55,8 @@ def take_layer_ids_from_speculative_config(vllm_config: VllmConfig) -> None:
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "extract_hidden_states":
         return  # no speculation, or another method: the connector says what is wrong
-    ids = list(
-        getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", None) or []
-    )
+    hf_config = spec.draft_model_config.hf_config
+    ids = list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [])
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     if "layer_ids" in extra and list(extra["layer_ids"]) != ids:
         raise ValueError(
