@@ -74,15 +74,10 @@ def run_demo(workdir: str) -> int:
         return 1
     from vllm import LLM, SamplingParams
 
-    from vllm_gdn_hs.checkpoint import save_random_checkpoint
+    from vllm_gdn_hs.checkpoint import load_text_model, save_random_checkpoint
     from vllm_gdn_hs.config import extraction_config
     from vllm_gdn_hs.files import load_hidden_states
-    from vllm_gdn_hs.reference import (
-        file_problems,
-        hf_hidden_states,
-        load_hf_model,
-        relative_errors,
-    )
+    from vllm_gdn_hs.reference import file_problems, hf_hidden_states, relative_errors
 
     model = os.path.join(workdir, "tiny-qwen3.5-hybrid")
     save_random_checkpoint(model, tiny_hybrid_config())  # random bf16 weights, seed 0
@@ -101,7 +96,7 @@ def run_demo(workdir: str) -> int:
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False
     )
-    hf = load_hf_model(model)
+    hf = load_text_model(model)
     hidden = hf.config.get_text_config().hidden_size
     print(f"\nmodel: {model}\nlayers: {LAYERS}\n")
     print(f"{'tokens':>7}  " + "  ".join(f"L{i:<6}" for i in LAYERS) + "  file")

@@ -11,22 +11,13 @@ import time
 from collections.abc import Iterator
 from importlib import metadata
 
+from vllm_gdn_hs import version
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.files import check_storage_path
 from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.patch import apply_patches
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
-from vllm_gdn_hs.version import (
-    ALLOW_UNTESTED,
-    UnsupportedVllmError,
-    check_vllm,
-    describe_releases,
-    installed,
-    installed_vllm,
-    is_untested,
-    runner_in_use,
-)
 
 Row = tuple[str, str, str | None]  # (item, value, problem or None)
 SKIPPED = "skipped (needs "
@@ -52,7 +43,7 @@ def _compress(ids: list[int]) -> str:
 
 def mooncake_checks(master: str) -> list[Row]:
     """A Mooncake wheel that loads, and the master at ``master`` (host:port) answering."""
-    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := installed(d))]
+    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := version.installed(d))]
     problem = None
     if not wheels:
         problem = (
@@ -132,19 +123,19 @@ def model_checks(model: str) -> tuple[list[Row], int | None]:
 def vllm_checks() -> list[Row]:
     """vLLM, the plugin's loading through vLLM's own loader, its patches and runner; a check
     whose prerequisite failed says ``skipped (needs ...)``."""
-    vllm_v = installed_vllm()
+    vllm_v = version.installed_vllm()
     try:
-        check_vllm()
+        version.check_vllm()
         problem = None
-    except UnsupportedVllmError as e:
+    except version.UnsupportedVllmError as e:
         problem = str(e)
-    untested = f" (untested, run with {ALLOW_UNTESTED}=1)" if vllm_v and is_untested() else ""
+    untested = f" (untested, run with {version.ALLOW_UNTESTED}=1)" if version.is_untested() else ""
     rows: list[Row] = [
         ("vllm", f"{vllm_v}{untested}" if vllm_v else "not installed", problem),
-        ("supported vllm", describe_releases(), None),
+        ("supported vllm", version.describe_releases(), None),
     ]
     for dist in ("torch", "transformers"):
-        v = installed(dist)
+        v = version.installed(dist)
         rows.append((dist, v or "not installed", None if v else f"pip install {dist}"))
     plugin, later = "plugin via vllm.general_plugins", ("runtime patches", "model runner")
     if problem is not None:
@@ -165,7 +156,7 @@ def vllm_checks() -> list[Row]:
     except Exception as e:  # report, don't crash: this is the diagnostic tool
         rows.append((plugin, "no", f"{type(e).__name__}: {e}"))
         return rows + [(item, SKIPPED + "the plugin)", None) for item in later]
-    return [*rows, ("model runner", runner_in_use(), None)]
+    return [*rows, ("model runner", version.runner_in_use(), None)]
 
 
 PROBE_BYTES = 1 << 30  # written, fsync-ed and removed to measure the storage

@@ -16,6 +16,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from vllm_gdn_hs import serve_args
 from vllm_gdn_hs.backends import BACKENDS, FileLaunch
 from vllm_gdn_hs.config import speculative_config
 from vllm_gdn_hs.model_info import (
@@ -27,15 +28,7 @@ from vllm_gdn_hs.model_info import (
     validate_layer_ids,
 )
 from vllm_gdn_hs.patch import runtime_patches
-from vllm_gdn_hs.serve_args import (
-    LaunchError,
-    check_vllm_args,
-    drain_seconds,
-    extra_vllm_args,
-    shutdown_args,
-    shutdown_env,
-    take_kv_transfer_config,
-)
+from vllm_gdn_hs.serve_args import LaunchError
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
 
 _USAGE = (
@@ -167,20 +160,20 @@ def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> Launc
     backend = backend_of(args)
     info = info or read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
-    vllm_args, user_kv = take_kv_transfer_config(args.vllm_args)
-    check_vllm_args(vllm_args, info)
+    vllm_args, user_kv = serve_args.take_kv_transfer_config(args.vllm_args)
+    serve_args.check_vllm_args(vllm_args, info)
     spec = speculative_config(ids)
     kv = backend.build_kv_transfer_config(args, user_kv)
-    drain_s = drain_seconds(kv)
+    drain_s = serve_args.drain_seconds(kv)
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
         "--speculative_config", json.dumps(spec),
         "--kv_transfer_config", json.dumps(kv),
-        *extra_vllm_args(vllm_args, info),
-        *shutdown_args(vllm_args, drain_s),
+        *serve_args.extra_vllm_args(vllm_args, info),
+        *serve_args.shutdown_args(vllm_args, drain_s),
         *vllm_args,
     ]  # fmt: skip
-    env = shutdown_env(drain_s)  # time at shutdown for the answered requests' files
+    env = serve_args.shutdown_env(drain_s)  # time at shutdown for the answered requests' files
     if is_untested():  # the printed command runs elsewhere too
         env[ALLOW_UNTESTED] = "1"
     return LaunchPlan(command, env)

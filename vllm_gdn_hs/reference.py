@@ -85,10 +85,8 @@ def hf_hidden_states(
             for start in range(0, len(group), per_pass):
                 batch = group[start : start + per_pass]
                 captured.clear()
-                model(
-                    input_ids=torch.tensor([prompts[i] for i in batch], device=device),
-                    use_cache=False,
-                )
+                ids = torch.tensor([prompts[i] for i in batch], device=device)
+                model(input_ids=ids, use_cache=False)
                 stacked = torch.stack([captured[i] for i in layer_ids], dim=2).cpu()  # [B,T,L,H]
                 for row, i in enumerate(batch):
                     out[i] = stacked[row]

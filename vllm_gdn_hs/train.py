@@ -17,12 +17,7 @@ import argparse
 from typing import Any
 
 import torch
-from hs_connectors.transfer import (
-    FP8Transfer,
-    HiddenStatesBackend,
-    MooncakeBackend,
-    MooncakeTransfer,
-)
+from hs_connectors import transfer
 
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.storage.mooncake_options import advertise_address
@@ -30,30 +25,30 @@ from vllm_gdn_hs.storage.mooncake_options import advertise_address
 BACKEND = "mooncake-fp8"
 
 
-class MooncakeFP8Transfer(MooncakeTransfer):
+class MooncakeFP8Transfer(transfer.MooncakeTransfer):
     """hs-connectors' Mooncake reader, then its fp8 reader's dequantization (a bf16 object
     passes unchanged)."""
 
     dequantize_dtype = torch.bfloat16
-    _dequantize = FP8Transfer._dequantize
+    _dequantize = transfer.FP8Transfer._dequantize
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
         return self._dequantize(super().get_generated(hs_transfer_params))
 
 
-class MooncakeFP8Train(MooncakeBackend):
+class MooncakeFP8Train(transfer.MooncakeBackend):
     """speculators' ``mooncake`` backend (the same ``--mooncake-*`` options) with fp8 objects."""
 
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> MooncakeFP8Transfer:
-        store = MooncakeBackend.from_train_args(args, data_path).store
+        store = transfer.MooncakeBackend.from_train_args(args, data_path).store
         advertise_address(store.config.local_hostname)  # before setup: this host's address
         return MooncakeFP8Transfer(store)
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
         """The server side: this package's connector (hs-connectors' has no fp8 objects)."""
-        config = MooncakeBackend.build_kv_transfer_config(args)
+        config = transfer.MooncakeBackend.build_kv_transfer_config(args)
         config.pop("kv_connector_module_path")
         config["kv_connector"] = CONNECTOR_NAME
         config["kv_connector_extra_config"]["fp8"] = True
@@ -63,8 +58,8 @@ class MooncakeFP8Train(MooncakeBackend):
 def register() -> None:
     """Add ``mooncake-fp8`` to hs-connectors' registry (once). speculators reads the registry's
     options when ``speculators.train.config`` is first imported: call this before that."""
-    if BACKEND not in HiddenStatesBackend.registry:
-        HiddenStatesBackend.register(BACKEND)(MooncakeFP8Train)
+    if BACKEND not in transfer.HiddenStatesBackend.registry:
+        transfer.HiddenStatesBackend.register(BACKEND)(MooncakeFP8Train)
 
 
 def main(argv: list[str] | None = None) -> None:

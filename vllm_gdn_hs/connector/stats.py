@@ -11,10 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
 
 
 @dataclass
@@ -107,14 +104,14 @@ class StatsBook:
 
 
 @dataclass
-class HiddenStatesKVConnectorStats(KVConnectorStats):
+class HiddenStatesKVConnectorStats(metrics.KVConnectorStats):
     """The writer's figures over one interval (``data``: a counter's change, a gauge's new
     value): aggregated, counters are summed and a gauge keeps its newest value."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+    def aggregate(self, other: metrics.KVConnectorStats) -> metrics.KVConnectorStats:
         for k, v in (other.data or {}).items():
             self.data[k] = v if k in WriterStats.GAUGES else self.data.get(k, 0) + v
         return self
@@ -158,7 +155,7 @@ PROM_SERIES = {
 }
 
 
-class HiddenStatesPromMetrics(KVConnectorPromMetrics):
+class HiddenStatesPromMetrics(metrics.KVConnectorPromMetrics):
     """The writer's figures on ``/metrics``, one child per engine (vLLM's labels: model name,
     engine index), observed with each interval's :class:`HiddenStatesKVConnectorStats` data."""
 
