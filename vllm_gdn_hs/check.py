@@ -177,9 +177,8 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
 
 
 def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, spot=None) -> int:
-    """0: every request is sound (and, with ``expect``, all are there); 1: problems. ``spot``
-    (``spot(complete_paths) -> status``: :func:`run_spot_check`) then judges a sample of the
-    complete files; the worse status is returned."""
+    """0: every request is sound (with ``expect``: all there); 1: problems. ``spot`` (given the
+    complete paths: :func:`run_spot_check`) then judges a sample; the worse status wins."""
     if not os.path.isdir(root):
         return _error(f"{root} is not a folder")
     out = scan(root, rows)
@@ -215,9 +214,8 @@ def run_spot_check(
     max_tokens: int = 512,
     device: str = "cpu",
 ) -> int:
-    """A sample of ``complete_paths`` (:func:`scan`'s complete files under ``root``) against
-    HF transformers on ``model``. 0: the sample is within the bar; 1: a file or the
-    pooled sample is not; 2: bad input."""
+    """A sample of :func:`scan`'s ``complete_paths`` against HF transformers on ``model``: 0
+    within the bar; 1: a file or the pooled sample is not; 2: bad input."""
     from vllm_gdn_hs.files import hidden_states_of
     from vllm_gdn_hs.model_info import cached_model_folder, read_model_info, validate_layer_ids
     from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer

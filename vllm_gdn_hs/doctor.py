@@ -217,9 +217,8 @@ def _read_int(path: str) -> int | None:
 
 
 def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup may still take (limit less usage), where a limit
-    is set: cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``), as batch
-    schedulers such as Slurm set them per job; None without one."""
+    """Bytes this process's memory cgroup may still take, where a limit is set (cgroup v2 or
+    v1, as batch schedulers such as Slurm set per job); None without one."""
     try:
         with open(os.path.join(proc, "self", "cgroup")) as f:
             lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
@@ -282,9 +281,8 @@ def iter_checks(
     hidden_states_path: str | None = None,
     mooncake_master: str | None = None,
 ) -> Iterator[list[Row]]:
-    """Groups of rows, the fast ones first: the model's (a hub id that cannot be reached fails
-    in seconds), then the install and vLLM (which imports vLLM), the GPU, host memory, the
-    folder and the Mooncake master."""
+    """Groups of rows, the fast ones first: the model's (an unreachable hub fails in seconds),
+    the install, vLLM (imports it), the GPU, host memory, the folder, the Mooncake master."""
     hidden_size = None
     if model:
         rows, hidden_size = model_checks(model)

@@ -40,14 +40,11 @@ _SAFETENSORS_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
 # -- names and paths ---------------------------------------------------------------------
 def file_name(request_id: str) -> str:
-    """The file name (without folder) for a request id; injective and safe as a name.
-
-    Encoding: each UTF-8 byte outside ``[A-Za-z0-9._-]`` becomes ``%XX`` (upper-case hex), and
-    so does a leading ``.``, so no name is hidden, ``.`` or ``..``; the empty id is ``%``.
-    A stem longer than :data:`MAX_STEM` keeps its first characters and ends in ``~`` and 32
-    hex digits of its SHA-256 (``~`` is never produced otherwise, so the two forms cannot
-    collide). Ordinary ids (``cmpl-<hex>-0-<hex>``) come out unchanged.
-    """
+    """The file name (without folder) for a request id; injective and safe as a name: each
+    UTF-8 byte outside ``[A-Za-z0-9._-]``, and a leading ``.``, becomes ``%XX`` (so no name is
+    hidden, ``.`` or ``..``; the empty id is ``%``). A stem longer than :data:`MAX_STEM` is cut
+    and ends in ``~`` (never produced otherwise) and 32 hex digits of its SHA-256. Ordinary ids
+    (``cmpl-<hex>-0-<hex>``) come out unchanged."""
     raw = request_id.encode("utf-8", "surrogatepass")
     stem = "".join(
         chr(b) if _SAFE.match(bytes([b])) and not (i == 0 and b == 0x2E) else f"%{b:02X}"
@@ -173,9 +170,8 @@ def lock_held(lock_path: str) -> bool | None:
 
 
 def take_finished(path: str) -> bool:
-    """One non-blocking step of speculators' reader: False while a writer holds
-    ``<path>.lock``; else take the lock, delete it and require the file. FileNotFoundError
-    when neither exists (the write failed, or the request was aborted)."""
+    """One non-blocking step of speculators' reader: False while a writer holds the lock; else
+    take and delete it and require the file (FileNotFoundError: the write failed or aborted)."""
     try:
         fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -211,9 +207,8 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 
 # -- the write ---------------------------------------------------------------------------
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
-    """Write atomically: a temp file in the same folder, then rename; mode as the umask gives
-    (safetensors' own temp file is 0600). A missing folder is made again. ``scales`` ([T, 1, 1]
-    fp32): ``hidden_states`` is float8_e4m3fn, hs-connectors' fp8 file."""
+    """Write atomically (a temp file, then rename), with the umask's mode (safetensors' own temp
+    file is 0600), making a missing folder again. ``scales`` [T, 1, 1]: an fp8 file."""
     from safetensors.torch import save_file
 
     tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
@@ -246,10 +241,9 @@ _DTYPE_BYTES = {
 
 
 def read_header(path: str) -> dict:
-    """The tensors of a safetensors file's header, each checked against the file: its
-    ``data_offsets`` match its shape and dtype, tensors tile the data with no gap or overlap,
-    and the data ends where the file does. ValueError naming what is wrong. Opens regular
-    files only (never blocks on a FIFO or device)."""
+    """The tensors of a safetensors file's header, each checked against the file (offsets match
+    shape and dtype, tile the data without gap or overlap, end where the file does); ValueError
+    naming what is wrong. Opens regular files only (never blocks on a FIFO or device)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)

@@ -22,10 +22,9 @@ class TakesHiddenStates(Protocol):
         query_start_loc_cpu: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """One step's rows [tokens, L, H] of the scheduled tokens, in batch order, with the
-        request ids, query start locations (CPU) and each row's token position. The tensors
-        are the runner's to drop after the call: a copy made later on another stream must
-        keep them alive (``record_stream``)."""
+        """One step's rows [tokens, L, H] in batch order, with request ids, query start locations
+        (CPU) and token positions. The runner drops the tensors after the call: a later copy
+        on another stream must keep them alive (``record_stream``)."""
 
     def wants_hidden_states(self) -> bool:
         """Whether this rank's connector takes rows at all (tensor-parallel ranks that do not
@@ -62,9 +61,8 @@ def hidden_states_connector(connector: object) -> TakesHiddenStates:
 
 
 def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
-    """At startup, before any connector exists: the class of the configured connector that
-    will take the rows (the configured one, or one listed inside ``MultiConnector``), as vLLM's
-    connector factory resolves it; RuntimeError naming the fix if none does."""
+    """At startup, before any connector exists: the class that will take the rows (the
+    configured one, or one inside ``MultiConnector``); RuntimeError naming the fix if none."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     kv = vllm_config.kv_transfer_config

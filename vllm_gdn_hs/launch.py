@@ -186,9 +186,8 @@ def gpu_visible() -> bool:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """Every probe, in one step, before ``vllm serve`` would fail after minutes: the vLLM
-    release (on an untested one, every method the runtime patches wrap); unless --dry-run, a
-    visible GPU; then the storage (with --dry-run, without making anything)."""
+    """Every probe before ``vllm serve`` would fail after minutes: the vLLM release (and on an
+    untested one the methods the patches wrap), a visible GPU (not with --dry-run), storage."""
     try:
         check_vllm()
         if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone

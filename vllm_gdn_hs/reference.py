@@ -172,10 +172,9 @@ def worst_by_layer(checks: list[dict]) -> dict:
 
 
 class HFReference:
-    """HF transformers' hidden states of one model folder in fp32 and in bf16, on the same
-    bf16 weights (models loaded on first use, references cached per prompt). :meth:`check`
-    judges one file and pools its errors into the run's; :meth:`pooled` judges the run since
-    :meth:`reset`."""
+    """HF transformers' hidden states of one model folder in fp32 and bf16 (same bf16 weights,
+    loaded on first use; cached per prompt). :meth:`check` judges a file and pools its errors;
+    :meth:`pooled` judges the run since :meth:`reset`."""
 
     def __init__(
         self,
@@ -234,10 +233,9 @@ class HFReference:
         self._cache.update((key, tuple(pair)) for key, pair in refs.items())
 
     def check(self, data: dict, seq: list[int]) -> dict:
-        """One file against the tokens it is of: ``problems`` (:func:`file_problems`, then each
-        layer over the per-file bound; none: good) and per layer the errors against HF fp32 of
-        ``ours`` and ``hf_bf16`` (empty if the shape is wrong). A file of the right shape is
-        pooled into the run, problems or not."""
+        """One file against its tokens: ``problems`` (:func:`file_problems`, then each layer over
+        the per-file bound) and per layer the errors of ``ours`` and ``hf_bf16`` against HF
+        fp32 (empty if the shape is wrong, else pooled into the run, problems or not)."""
         ref32, ref16 = self(seq)
         hs = hidden_states_of(data)
         if SCALES in data:  # an fp8 file: the yardstick is HF bf16 put through the same fp8
@@ -261,10 +259,9 @@ class HFReference:
         self._sums = torch.zeros(3, len(self.layer_ids), dtype=torch.float64)
 
     def pooled(self) -> dict:
-        """The run since :meth:`reset` against the bar, per layer: the pooled errors of ``ours``
-        and ``hf_bf16`` against HF fp32, ``ratio`` (ours over HF bf16's, floored at
-        MIN_HF_ERROR), ``files``, and ``problems``: a line per layer over BAR_FACTOR (none: the
-        run passes; a run of no file does not)."""
+        """The run since :meth:`reset` against the bar: per layer the pooled errors of ``ours``
+        and ``hf_bf16`` against HF fp32, their ``ratio``, ``files``, and ``problems`` (a line
+        per layer over BAR_FACTOR; a run of no file fails)."""
         if not self._files:
             problems = ["no file pooled: nothing to judge"]
             return dict(ours=[], hf_bf16=[], ratio=[], files=0, problems=problems)

@@ -164,9 +164,8 @@ def shutdown_window(drain_s: float) -> int:
 
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
-    """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``: how long vLLM waits for its engine core (0.33.0
-    on) and worker processes after SIGTERM. What the user set is kept, with a warning if it is
-    shorter than :func:`shutdown_window`."""
+    """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (vLLM's wait for its processes after SIGTERM),
+    unless the user set it (then a warning if shorter than :func:`shutdown_window`)."""
     window = shutdown_window(drain_s)
     environ = os.environ if environ is None else environ  # now, not at import
     if SHUTDOWN_ENV not in environ:
@@ -177,9 +176,8 @@ def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
 
 
 def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
-    """``--shutdown-timeout`` where vLLM does not wait ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
-    for its engine core (0.20.1); nothing if the user passed it (a warning if it is shorter than
-    :func:`shutdown_window`)."""
+    """``--shutdown-timeout`` where vLLM ignores ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` for its
+    engine core (0.20.1), unless the user passed it (then a warning if it is too short)."""
     window = shutdown_window(drain_s)
     user = _last_value(vllm_args, {"--shutdown-timeout"})
     if user is not None:

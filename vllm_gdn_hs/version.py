@@ -99,9 +99,8 @@ def engine_wait_from_env(version: str | None = None) -> bool:
 
 
 def model_runner_v2_asked_for() -> bool:
-    """Whether extraction runs on Model Runner V2 with the installed vLLM: where it is the only
-    runner; where both are, as ``VLLM_USE_V2_MODEL_RUNNER`` says (unset: from V2_DEFAULT_FROM
-    on); never before MODEL_RUNNER_V2_FROM."""
+    """Whether extraction runs on Model Runner V2: where it is the only runner; where both are,
+    as ``VLLM_USE_V2_MODEL_RUNNER`` says (unset: from V2_DEFAULT_FROM on)."""
     if not runs_model_runner_v2():
         return False
     if not has_v1_runner():

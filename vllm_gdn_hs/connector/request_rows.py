@@ -13,10 +13,9 @@ SHORT_RUN, PENDING_ROWS = 4, 32
 
 
 class RequestRows:
-    """Host rows of one request, indexed by token position. The drain thread shares the GIL
-    with the engine thread, so decode's per-row work stays out of Python: a step's short runs
-    are gathered into one block by one numpy call, each request keeps (block, row) references
-    and files them a few dozen at a time, stacking numpy views (bf16 as int16) into place."""
+    """Host rows of one request by token position. Decode's per-row work stays out of Python
+    (the drain shares the GIL with the engine): a step's short runs are one numpy gather, and
+    each request files its (block, row) references a few dozen at a time, stacking views."""
 
     def __init__(
         self,

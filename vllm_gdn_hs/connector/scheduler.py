@@ -54,8 +54,7 @@ class HybridHiddenStatesConnectorScheduler:
         self.storage.open_scheduler_side(RowShape(layer_ids, hidden, dtype))
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM 0.33.0 says so, then reads the params as a dict itself: params that are not an
-        object are refused and dropped now, so that vLLM's reading cannot fail on them."""
+        """vLLM 0.33.0 reads the params as a dict itself: others are refused and dropped now."""
         params = request.kv_transfer_params
         if params is not None and not isinstance(params, dict):
             try:

@@ -20,9 +20,8 @@ from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
 def rows_and_norms(hidden_states: torch.Tensor, fp8: bool, chunk: int = CHUNK_TOKENS):
-    """What goes to the host for rows [T, L, H]: the rows (``fp8``: quantized per token as
-    hs-connectors does) and [T, L] float32 norms of the unquantized rows (``fp8``: [T, L + 1],
-    each row's scale last), in chunks of ``chunk`` tokens (per token: no value changes)."""
+    """The rows [T, L, H] to copy (``fp8``: quantized per token, as hs-connectors does) and [T, L]
+    float32 norms of the unquantized rows (``fp8``: each row's scale last), by token chunks."""
     num_tokens, num_layers = hidden_states.shape[:2]
     norms = hidden_states.new_empty((num_tokens, num_layers + fp8), dtype=torch.float32)
     rows = hidden_states
@@ -75,9 +74,9 @@ class HostSlot:
 
 
 def _side_copy(stream, pairs, done=None, keep=()) -> None:
-    """Copy each (host, GPU) pair on the side ``stream`` once the compute stream has made the
-    GPU tensors (it does not wait for the copy); ``record_stream`` keeps them (and ``keep``)
-    alive until the copies end, which the event ``done`` marks. On CPU, plain copies."""
+    """Copy each (host, GPU) pair on the side ``stream`` after the compute stream's work (which
+    does not wait); ``record_stream`` keeps the sources and ``keep`` alive, ``done`` marks the
+    end. On CPU, plain copies."""
     if stream is None or not pairs[0][1].is_cuda:
         for dst, src in pairs:
             dst.copy_(src)
@@ -95,9 +94,8 @@ def _side_copy(stream, pairs, done=None, keep=()) -> None:
 
 class HostRing:
     """Pinned host rows for ``num_slots`` of the largest steps, handed out in order, each step
-    taking only the rows it has, so the small steps that follow a large one go on while the
-    drain thread files it. With ``fp8`` the ring holds the quantized rows (half the size), each
-    row's scale one more column after its layer norms."""
+    taking only its rows (small steps go on while the drain files a large one). With ``fp8``:
+    the quantized rows (half the size), each row's scale a column after its layer norms."""
 
     def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"
@@ -123,10 +121,9 @@ class HostRing:
         return head if tail - head >= num_tokens else None  # wrapped: free is [head, tail)
 
     def take(self, num_tokens: int, layer_major: bool = False) -> tuple[HostSlot, float]:
-        """Rows for one step, and the seconds waited for them (the drain is behind). A
-        ``layer_major`` slot keeps its rows as [L, tokens, H], so that each layer's rows are one
-        contiguous block (a D2H copy into a strided view would go through pageable memory);
-        its ``hidden_states`` is their [tokens, L, H] view."""
+        """Rows for one step, and the seconds waited (the drain is behind). A ``layer_major``
+        slot keeps them as [L, tokens, H] (a D2H copy into a strided view would go through
+        pageable memory); its ``hidden_states`` is their [tokens, L, H] view."""
         if not 0 < num_tokens <= self.capacity:
             raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
         waited = 0.0

@@ -117,9 +117,8 @@ class HiddenStatesKVConnectorStats(metrics.KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The log line's counters. Not the gauges: vLLM's aggregated logging of several
-        engines feeds one accumulator, where one engine's value would read as the total
-        (Prometheus has them per engine; the progress line has this engine's)."""
+        """The log line's counters, not the gauges: vLLM's logging of several engines sums them
+        into one, where one engine's value would read as the total (Prometheus has them)."""
         return {
             k: round(v, 3) if isinstance(v, float) else v
             for k, v in sorted(self.data.items())

@@ -157,8 +157,7 @@ class HybridHiddenStatesConnectorWorker:
 @contextlib.contextmanager
 def _signals_logged(timeout: float):
     """SIGINT and SIGTERM are logged, not acted on, while the writes drain: vLLM's engine core
-    puts the default handlers back before its teardown, so a second signal would end the
-    process mid-write. (Only the main thread can set handlers.)"""
+    puts the default handlers back before its teardown (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -70,10 +70,9 @@ class Patch:
 
 
 def require(what, *names: str) -> None:
-    """AttributeError naming the first of ``names`` that ``what`` lacks (a function's
-    parameter, a dataclass's field, a class's attribute). Called at import for what a patch
-    reads of vLLM besides the methods it wraps: a vLLM that renamed one is refused at startup
-    (:func:`runtime_patches`), not at a step."""
+    """AttributeError naming the first of ``names`` that ``what`` (a function, a dataclass, a
+    class) lacks. A patch calls it at import for what it reads of vLLM besides the methods it
+    wraps: a vLLM that renamed one is refused at startup, not at a step."""
     if inspect.isfunction(what):
         have = set(inspect.signature(what).parameters)
     elif dataclasses.is_dataclass(what):
@@ -89,9 +88,8 @@ _applied: list[str] = []
 
 
 def runtime_patches() -> dict[str, Patch]:
-    """The installed vLLM's patches by module name, imported (each takes the vLLM methods it
-    wraps, :func:`require`) and not yet applied: on an untested newer vLLM, UnsupportedVllmError
-    names what is gone before any patch is applied."""
+    """The installed vLLM's patches by module name, imported, not yet applied: on an untested
+    vLLM, UnsupportedVllmError names what is gone before any patch is applied."""
     return {name: _module(name).PATCH for name in patches_for()}
 
 

@@ -76,9 +76,8 @@ def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
 
 
 def advertise_address(local_hostname: str | None) -> str | None:
-    """Make Mooncake's TCP transport advertise (and, where it can, bind) ``local_hostname``
-    instead of the first interface it finds: sets ``MC_TCP_BIND_ADDRESS`` (unless the user
-    did) to an IP address. Returns the address in effect (None: Mooncake's own choice)."""
+    """Have Mooncake's TCP transport advertise ``local_hostname``, an IP address, not its first
+    interface's (``MC_TCP_BIND_ADDRESS``, unless set); the address in effect, or None."""
     if not os.environ.get("MC_TCP_BIND_ADDRESS") and local_hostname:
         try:
             ipaddress.ip_address(local_hostname.strip("[]"))
