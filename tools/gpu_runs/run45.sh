@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session (vLLM 0.34.0 under /tmp/site, the checkout installed there by the call that
-# starts this), in priority order for about 25 device-minutes; each step writes its records
-# as it finishes:
-#   1. accuracy of the layer sink (layer_by_layer) against HF (tiny hybrid, eager and CUDA
-#      graphs)
-#   2. the 27B-shape bench, plain then ours with layer_by_layer, vLLM's default GDN kernels
-#      (run48.sh 1a, 1b on 128x1024 and chat): the KV cache, the warm-up peak, throughput
-#   3. SIGTERM with 64 requests in flight, with and without a second SIGINT, through the
+# starts this), in priority order for the device time left; each step writes its records as it
+# finishes:
+#   1. SIGTERM with 64 requests in flight, with and without a second SIGINT, through the
 #      launcher and plain vllm serve (tests/gpu/test_gpu_shutdown.py)
+#   2. accuracy of the layer sink (layer_by_layer) against HF (tiny hybrid, eager and CUDA
+#      graphs)
+#   3. the 27B-shape bench, plain then ours with layer_by_layer, vLLM's default GDN kernels
+#      (run48.sh 1a, 1b on 128x1024 and chat): the KV cache, the warm-up peak, throughput
 #   4. while device time lasts: ours stacked, fp8, the end-to-end rate (run48.sh 1c, 2, 3a,
 #      3b), speculators' generator SIGKILLed and resumed, the deep hybrid, /metrics
 # Started by tools/device/session.sh start; SESSION is where everything goes.
@@ -24,12 +24,12 @@ suite() {  # OUT folder, then the pytest node ids
         bash tools/gpu_runs/run_gpu_suite.sh "$@"
     log "suite $(basename "$out") end"
 }
+T=420 suite shutdown \
+    "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
 T=300 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer
 for step in 1a 1b; do
     WL=128x1024,chat BUDGET=360 bash tools/gpu_runs/run48.sh "$SESSION/r48" $step
 done
-T=420 suite shutdown \
-    "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
 for step in 1c 2 3a 3b; do BUDGET=480 bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done
 log "pipeline start"
 PYTHONPATH=/tmp/site:tests/gpu:tests timeout 900 python3 tools/gpu_runs/pipeline.py \
