@@ -198,8 +198,9 @@ class Hosts:
         host's ``eth0`` first sends one frame per packet (``gso_max_segs 1``: no 64 KB GSO
         batches through the veths), so a packet dropped is one MTU frame, as on a wire."""
         if shutil.which("iptables") is None and not os.path.exists("/usr/sbin/iptables"):
-            missing = pytest.fail if os.environ.get("CI", "").lower() in ("1", "true") else pytest.skip
-            missing("random loss needs iptables: apt-get install iptables")
+            in_ci = os.environ.get("CI", "").lower() in ("1", "true")
+            why = "random loss needs iptables: apt-get install iptables"
+            (pytest.fail if in_ci else pytest.skip)(why)
         for name in self.names:
             _sh("ip", "-n", self.ns(name), "link", "set", "eth0", "gso_max_segs", "1")
         _sh("ip", "netns", "exec", self.ns(host), "iptables", "-A", "INPUT", "-i", "eth0",
