@@ -67,6 +67,22 @@ def test_extra_config_is_speculators(capsys, hybrid, monkeypatch, argv):
     assert parsed.kv_transfer_config is not None
 
 
+def test_a_field_hs_connectors_adds_later_is_left_out(capsys, hybrid, monkeypatch):
+    """A later hs-connectors 0.9.x whose ``MooncakeStoreConfig`` has one more field: the
+    launcher still starts, without it (the connector's options forbid unknown keys)."""
+    build = MooncakeBackend.build_kv_transfer_config
+
+    def newer(args):
+        config = build(args)
+        config["kv_connector_extra_config"]["mooncake"]["a_later_field"] = 1
+        return config
+
+    monkeypatch.setattr(MooncakeBackend, "build_kv_transfer_config", staticmethod(newer))
+    kv = kv_config(dry_run(capsys, hybrid, "--hidden-states-backend", "mooncake"))
+    assert "a_later_field" not in kv["kv_connector_extra_config"]["mooncake"]
+    assert HiddenStatesConfig(**kv["kv_connector_extra_config"]).mooncake is not None
+
+
 def test_defaults_are_speculators():
     ours = launch.parse_args(["m", "--hidden-states-backend", "mooncake"])
     their = mooncake_parser().parse_args([])

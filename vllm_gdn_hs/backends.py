@@ -110,10 +110,12 @@ class MooncakeLaunch(FileLaunch):
     @classmethod
     def storage_options(cls, args: argparse.Namespace) -> dict:
         """``mooncake`` as hs-connectors' launcher config has it (this host's address from
-        MOONCAKE_LOCAL_HOSTNAME, else its name)."""
+        MOONCAKE_LOCAL_HOSTNAME, else its name), less fields a later hs-connectors adds."""
         from hs_connectors.transfer import MooncakeBackend as Theirs
 
-        return {**Theirs.build_kv_transfer_config(args)["kv_connector_extra_config"], **cls.options}
+        theirs = Theirs.build_kv_transfer_config(args)["kv_connector_extra_config"]
+        ours = {k: v for k, v in theirs["mooncake"].items() if k in MooncakeOptions.model_fields}
+        return {**theirs, "mooncake": ours, **cls.options}
 
 
 class MooncakeFP8Launch(MooncakeLaunch):
