@@ -53,8 +53,8 @@ def master(master_bin, tmp_path):
         m.kill()
 
 
-def options(address: str, segment: int = 64 * MB) -> dict:
-    return {
+def options(address: str, segment: int = 64 * MB, **more) -> dict:
+    return more | {
         "local_hostname": HOST,
         "master_server_address": address,
         "global_segment_size": segment,
@@ -104,9 +104,10 @@ class RowsEngine(Engine):
         return torch.stack([self.sent[rid][p] for p in range(n)])
 
 
-def mooncake_engine(model, tmp_path, address, segment=64 * MB, **extra):
+def mooncake_engine(model, tmp_path, address, segment=64 * MB, mooncake=None, **extra):
     extra.setdefault("shutdown_drain_s", 3)  # shutdown waits this long for unread objects
-    return RowsEngine(model, str(tmp_path / "hs"), mooncake=options(address, segment), **extra)
+    mc = options(address, segment, **(mooncake or {}))
+    return RowsEngine(model, str(tmp_path / "hs"), mooncake=mc, **extra)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,48 +266,75 @@ def test_startup_names_the_master_it_cannot_reach(hybrid_model, master_bin, tmp_
         mooncake_engine(hybrid_model, tmp_path, address)
 
 
-def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog):
-    eng = mooncake_engine(hybrid_model, tmp_path, master.address)
+@pytest.mark.parametrize("copies", [True, False], ids=["copies", "no-copies"])
+def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog, copies):
+    """A restarted master has lost every object. "read" was read before: gone for good.
+    "unread" was not: put again from the server's copy (without copies, lost and named in the
+    log). "during" is put while the master is down: its put waits for the master. Each
+    object left is read once, bit-equal."""
+    mc = {} if copies else {"unread_copy_size": 0}
+    eng = mooncake_engine(hybrid_model, tmp_path, master.address, mooncake=mc)
     transfer = reader(master.address)
-    eng.add(make_request("before", prompt(30)))
-    eng.until_finished("before")
-    assert_sample(eng, "before", transfer.get_generated(eng.params("before")))
+    for rid in ("read", "unread"):
+        eng.add(make_request(rid, prompt(30)))
+    eng.until_finished("read", "unread")
+    assert_sample(eng, "read", transfer.get_generated(eng.params("read")))
+    transfer.delete(eng.params("read")["handle"])  # as the trainer does, once it has read it
+    deadline = time.monotonic() + 30
+    while (left := eng.store().unread()) != [eng.params("unread")["handle"]]:  # "read" forgotten
+        assert time.monotonic() < deadline, f"still unread: {left}"
+        time.sleep(0.05)
 
     master.kill()
-    eng.add(make_request("during", prompt(30)))
-    eng.until_finished("during")  # the engine goes on; the put fails
-    assert "during" in eng.outputs
-    deadline = time.monotonic() + 60  # its put fails on a write thread: wait for it, or the
-    while eng.worker._worker.stats.failed < 1:  # restarted master could take it after all
-        assert time.monotonic() < deadline, "the put during the outage did not fail"
-        time.sleep(0.05)
-    master.start()  # same port; every object it held is gone
+    with caplog.at_level(logging.WARNING):
+        eng.add(make_request("during", prompt(30)))
+        eng.until_finished("during")  # the engine goes on; the put waits for the master
+        time.sleep(2)
+        master.start()  # same port; every object it held is gone
+        deadline = time.monotonic() + 60
+        while "lost its objects" not in caplog.text:
+            assert time.monotonic() < deadline, "the restart was not noticed"
+            time.sleep(0.05)
+        assert_sample(eng, "during", read_back(transfer, eng.params("during")))
+    line = next(r.getMessage() for r in caplog.records if "lost its objects" in r.getMessage())
+    unread = eng.params("unread")
+    if copies:
+        assert ": 1 put again from this server's copies, 0 lost" in line
+        assert_sample(eng, "unread", read_back(transfer, unread))
+    else:
+        assert (
+            "0 put again from this server's copies, 1 lost (no copy within unread_copy_size, or "
+            f"not put again): "
+            f"{unread['handle']}" in line
+        )
+        from hs_connectors.mooncake_store import MooncakeIntegrityError
 
-    # Its error object, once the server's client is back with the master (until the
-    # reader's own client is, the reader fails on is_exist, as it does with any outage).
-    assert "returned -900" in str(read_error(transfer, eng.params("during")))
+        with pytest.raises(MooncakeIntegrityError, match="restarted and lost this sample"):
+            read_back(transfer, unread)  # the trainer fails on it at once, with the reason
+    assert "does not answer: puts wait for it" in caplog.text
+    assert eng.worker._worker.stats.failed == 0
     eng.add(make_request("after", prompt(30)))
     eng.until_finished("after")
     assert_sample(eng, "after", transfer.get_generated(eng.params("after")))
+    assert eng.store().stats["put_again"] == int(copies) and eng.store().stats["lost"] == 1 - copies
     eng.worker.shutdown()
 
 
-def read_error(transfer, params, timeout: float = 60.0) -> Exception:
-    """The producer's error for ``params``, read as the trainer reads it (retried while the
-    reader's own client cannot reach the master)."""
+def read_back(transfer, params, timeout: float = 60.0) -> dict:
+    """The sample of ``params``, read as the trainer reads it, retried while the reader's own
+    client cannot reach the restarted master yet (is_exist -900: a RuntimeError); the
+    producer's error object raises MooncakeIntegrityError."""
     from hs_connectors.mooncake_store import MooncakeIntegrityError
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            transfer.get_generated(params)
-        except MooncakeIntegrityError as e:
-            return e
-        except RuntimeError:  # is_exist -900: this client is not back yet
-            assert time.monotonic() < deadline, "no error object"
+            return transfer.get_generated(params)
+        except MooncakeIntegrityError:
+            raise
+        except RuntimeError:
+            assert time.monotonic() < deadline, "the reader did not get back to the master"
             time.sleep(0.2)
-        else:
-            pytest.fail("read a sample that was never put")
 
 
 class SlowReader(threading.Thread):

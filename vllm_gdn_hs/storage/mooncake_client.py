@@ -10,6 +10,9 @@ Every put is hard-pinned: a full store refuses it (-200) instead of evicting an 
 trainer has not read yet, and the writer waits (:meth:`MooncakeStore.write`), so a full store
 slows the engine as slow storage does. The reader deletes what it reads;
 :meth:`MooncakeStore.close` removes what no reader took.
+
+While the master does not answer, puts wait for it; what a restarted master lost is put again
+(:mod:`.mooncake_unread`).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, advertise_address, check_master
+from vllm_gdn_hs.storage.mooncake_unread import UnreadObjects
 
 logger = init_logger(__name__)
 
 ERROR_SUFFIX = ":error"  # hs-connectors' error object: key + ":error"
 NO_AVAILABLE_HANDLE = -200  # no room in any segment: store full (or not yet mounted again)
+OBJECT_ALREADY_EXISTS = -705  # Mooncake ErrorCode (types.h): a put of a key the store holds
 RPC_FAIL = -900  # the master does not answer
-_PRUNE_AT = 4096
+MASTER_WAIT_S = 120.0  # how long a put waits for a master that does not answer
 
 
 def manifest(
@@ -94,8 +99,8 @@ class MooncakeStore:
         self.pin = ReplicateConfig()
         self.pin.with_hard_pin = True  # refused when full, never evicted
         self.lock = threading.Condition()
-        self.owned: set[str] = set()  # keys put and maybe not read yet
-        self.stats = dict(objects=0, bytes=0, errors=0, full_waits=0, full_waited_s=0.0)
+        self.stats = dict(objects=0, bytes=0, errors=0, full_waits=0, full_waited_s=0.0,
+                          put_again=0, lost=0)  # fmt: skip
         self.waiting_full = 0  # writers waiting for room now
         self.last_full_log = 0.0
         self.closing_at: float | None = None
@@ -104,6 +109,7 @@ class MooncakeStore:
             target=self._error_loop, name="hs-mooncake-errors", daemon=True
         )
         self.error_thread.start()
+        self.unread_objects = UnreadObjects(self)
         logger.info(
             "%s: Mooncake store at %s (%s, this client %s lends %.2f GiB); puts hard-pinned",
             CONNECTOR_NAME,
@@ -137,39 +143,51 @@ class MooncakeStore:
             at, size = spec["tensors"][name]["offset"] - head, spec["tensors"][name]["nbytes"]
             tail[at : at + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
         parts = [(hidden_states.data_ptr(), head), (tail.data_ptr(), tail.numel())]
+        self.unread_objects.keep(key, [hidden_states.view(-1).view(torch.uint8), tail])
+        self.put_parts(key, parts)
+        self.unread_objects.done(key)
+        with self.lock:
+            self.stats["objects"] += 1
+            self.stats["bytes"] += total
+
+    def put_parts(self, key: str, parts: list[tuple[int, int]]) -> None:
         registered = []
         try:
             for ptr, size in parts:  # RDMA sends only from registered memory
                 self._check("register_buffer", key, self.client.register_buffer(ptr, size))
                 registered.append(ptr)
             self._put(key, [p for p, _ in parts], [s for _, s in parts])
+        except BaseException:
+            self.unread_objects.forget([key])
+            raise
         finally:
             for ptr in registered:
                 self.client.unregister_buffer(ptr)
-        with self.lock:
-            self.owned.add(key)
-            self.stats["objects"] += 1
-            self.stats["bytes"] += total
-            prune = len(self.owned) > _PRUNE_AT
-        if prune:  # forget what readers took, so the set stays small
-            self.unread()
 
     def _put(self, key: str, ptrs: list[int], sizes: list[int]) -> None:
         since, delay = None, 0.005
         try:
             while True:
                 rc = self.client.batch_put_from_multi_buffers([key], [ptrs], [sizes], self.pin)[0]
-                if rc != NO_AVAILABLE_HANDLE:
-                    return self._check("put", key, rc)
+                if rc not in (NO_AVAILABLE_HANDLE, RPC_FAIL):
+                    return self._check("put", key, 0 if rc == OBJECT_ALREADY_EXISTS else rc)
                 now = time.monotonic()
                 if since is None:
                     since = now
                     with self.lock:
-                        self.stats["full_waits"] += 1
+                        self.stats["full_waits"] += rc == NO_AVAILABLE_HANDLE
                         self.waiting_full += 1
-                if self.closing_at is not None and now - self.closing_at > self.close_grace_s:
+                closing = self.closing_at is not None and now - self.closing_at > self.close_grace_s
+                if rc == RPC_FAIL and (closing or now - since > MASTER_WAIT_S):
+                    return self._check("put", key, rc)
+                if closing:
                     raise MooncakeError(f"the Mooncake store stayed full; {key} not put")
-                self._log_full(now - since)
+                if rc == NO_AVAILABLE_HANDLE:
+                    self._log_full(now - since)
+                elif since == now:
+                    logger.warning("%s: the Mooncake master at %s does not answer: puts wait "
+                                   "for it up to %.0f s", CONNECTOR_NAME,
+                                   self.options.master_server_address, MASTER_WAIT_S)  # fmt: skip
                 time.sleep(delay)
                 delay = min(2 * delay, 0.2)
         finally:
@@ -203,15 +221,7 @@ class MooncakeStore:
 
     def unread(self) -> list[str]:
         """The keys this server put that are still in the store (readers delete theirs)."""
-        with self.lock:
-            keys = list(self.owned)
-        if not keys:
-            return []
-        found = self.client.batch_is_exist(keys)
-        gone = {k for k, e in zip(keys, found, strict=True) if e == 0}
-        with self.lock:
-            self.owned -= gone
-        return [k for k, e in zip(keys, found, strict=True) if e != 0]
+        return self.unread_objects.unread()
 
     # -- the error object ----------------------------------------------------------------
     def write_error(self, key: str, why: str) -> None:
@@ -227,15 +237,19 @@ class MooncakeStore:
             key, why, deadline = item
             data = json.dumps({"error": why[:4096]}).encode()
             while True:
+                self.unread_objects.keep(
+                    key, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+                )
                 try:
                     rc = self.client.put(key, data, self.pin)
                 except Exception as e:  # never let this thread die
                     rc = repr(e)
-                if rc == 0:
+                if rc in (0, OBJECT_ALREADY_EXISTS):
+                    self.unread_objects.done(key)
                     with self.lock:
-                        self.owned.add(key)
                         self.stats["errors"] += 1
                     break
+                self.unread_objects.forget([key])
                 now = time.monotonic()
                 closing = self.closing_at is not None and now - self.closing_at > 1.0
                 if now > deadline or closing:
@@ -267,6 +281,8 @@ class MooncakeStore:
         for key in self.unread():
             with contextlib.suppress(Exception):
                 removed += self.client.remove(key, True) == 0
+        with contextlib.suppress(Exception):
+            self.client.remove(self.unread_objects.marker, True)
         log = logger.error if unread else logger.info
         log(
             "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "

@@ -41,6 +41,12 @@ class MooncakeOptions(StorageOptions):
     local_buffer_size: int = Field(2 * GIB, ge=0, description="the client's staging buffer")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty: Mooncake's")
+    unread_copy_size: int = Field(
+        4 * GIB,
+        ge=0,
+        description="host bytes for copies of the objects no trainer has read yet, put again "
+        "if the master restarts (it loses every object); 0: none",
+    )
     # speculators' --mooncake-writer-threads; here it sizes the connector's write_workers.
     num_writer_threads: int = Field(4, ge=1, le=64)
 

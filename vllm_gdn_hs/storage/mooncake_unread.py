@@ -1,0 +1,124 @@
+"""The objects this server put that no trainer has read yet, through a master restart.
+
+A restarted Mooncake master has lost every object, and with them samples whose handles this
+server has already answered. So the store keeps a host copy of each object no trainer has read
+yet (within ``unread_copy_size``) and a marker object that no reader deletes: once the marker
+is gone, :meth:`UnreadObjects.watch` puts the copies again. An object without a copy gets an
+error object instead, so that its reader fails at once with the reason, and is logged by name.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import torch
+
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+
+logger = init_logger(__name__)
+
+WATCH_S = 1.0  # how often the marker and the unread objects are looked up
+
+
+class UnreadObjects:
+    def __init__(self, store):
+        """For ``store``, a :class:`~vllm_gdn_hs.storage.mooncake_client.MooncakeStore`."""
+        self.store = store
+        self.lock = threading.Lock()
+        self.sweep = threading.RLock()  # unread() and watch(): one at a time
+        # key -> a copy of its bytes (None: none), from before its put until a reader took it
+        self.owned: dict[str, torch.Tensor | None] = {}
+        self.put_done: set[str] = set()  # the keys in owned whose put returned
+        self.copied = 0  # bytes of the copies in owned
+        self.marker = f"vllm-gdn-hs-alive-{secrets.token_hex(8)}"
+        self._put_marker()
+        threading.Thread(target=self._loop, name="hs-mooncake-watch", daemon=True).start()
+
+    def _put_marker(self) -> None:
+        s = self.store
+        s._check("put", self.marker, s.client.put(self.marker, b"1", s.pin))
+
+    def keep(self, key: str, parts: list[torch.Tensor]) -> None:
+        """Own ``key`` from before its put (a restart meanwhile is seen), with a copy of its
+        bytes where ``unread_copy_size`` has room."""
+        size = sum(p.numel() for p in parts)
+        with self.lock:
+            room = size <= self.store.options.unread_copy_size - self.copied
+            self.copied += size if room else 0
+        copy = torch.cat(parts) if room else None
+        with self.lock:
+            self.owned[key] = copy
+
+    def done(self, key: str) -> None:
+        with self.lock:
+            self.put_done.add(key)
+
+    def forget(self, keys) -> None:
+        with self.lock:
+            for k in keys:
+                copy = self.owned.pop(k, None)
+                self.copied -= 0 if copy is None else copy.numel()
+                self.put_done.discard(k)
+
+    def unread(self) -> list[str]:
+        """The keys put that are still in the store (readers delete theirs), once the marker
+        shows that the master kept its objects meanwhile; what a reader took is forgotten."""
+        client = self.store.client
+        with self.sweep:  # not while watch() puts objects again
+            with self.lock:
+                keys = [k for k in self.owned if k in self.put_done]
+            found = client.batch_is_exist(keys) if keys else []
+            if client.is_exist(self.marker) != 1:  # lost, not read: watch() puts them again
+                return keys
+            self.forget(k for k, e in zip(keys, found, strict=True) if e == 0)
+            return [k for k, e in zip(keys, found, strict=True) if e != 0]
+
+    def _loop(self) -> None:
+        while self.store.closing_at is None:
+            time.sleep(WATCH_S)
+            try:
+                self.watch()
+            except Exception as e:  # never let this thread die
+                logger.warning("%s: Mooncake watch: %r", CONNECTOR_NAME, e)
+
+    def watch(self) -> None:
+        """Forget what readers took; where the marker is gone (the master restarted and lost
+        every object), put the marker again and every unread object this server has a copy
+        of, and give the others an error object: those are lost, and logged by name."""
+        store, address = self.store, self.store.options.master_server_address
+        with self.sweep:
+            if store.client.is_exist(self.marker) != 0:  # there, or no master to ask: nothing
+                self.unread()
+                return
+            with self.lock:  # not the puts in flight: they go to the restarted master themselves
+                owned = [(k, c) for k, c in self.owned.items() if k in self.put_done]
+            keys = [k for k, _ in owned]
+            found = store.client.batch_is_exist(keys) if keys else []
+            again = [(k, c) for (k, c), e in zip(owned, found, strict=True) if e == 0]
+            lost = [k for k, c in again if c is None]
+            # The marker first: until the restarted master takes it (its segments mounted
+            # again), nothing changes here, and the next round looks again.
+            self._put_marker()
+            for key, copy in again:
+                if copy is not None:
+                    try:
+                        store.put_parts(key, [(copy.data_ptr(), copy.numel())])
+                    except Exception as e:
+                        logger.error("%s: %s not put again: %s", CONNECTOR_NAME, key, e)
+                        lost.append(key)
+            self.forget(lost)
+            why = (f"the Mooncake master at {address} restarted and lost this sample, and its "
+                   "server kept no copy (unread_copy_size)")  # fmt: skip
+            for key in lost:  # its reader fails at once, with the reason, instead of waiting
+                store.write_error(key, why)
+        with store.lock:
+            store.stats["put_again"] += len(again) - len(lost)
+            store.stats["lost"] += len(lost)
+        (logger.error if lost else logger.warning)(
+            "%s: the Mooncake master at %s lost its objects (restarted): %d put again from "
+            "this server's copies, %d lost%s", CONNECTOR_NAME, address, len(again) - len(lost),
+            len(lost), f" (no copy within unread_copy_size, or not put again): {', '.join(lost)}"
+            if lost else "",
+        )  # fmt: skip
