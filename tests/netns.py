@@ -64,10 +64,14 @@ def netns_problem() -> str | None:
     return None
 
 
+def missing(why: str) -> None:
+    """What these tests need is not here: a failure in CI, a skip elsewhere."""
+    in_ci = os.environ.get("CI", "").lower() in ("1", "true")
+    (pytest.fail if in_ci else pytest.skip)(why)
+
+
 def require_netns() -> None:
-    problem = netns_problem()
-    if problem:
-        missing = pytest.fail if os.environ.get("CI", "").lower() in ("1", "true") else pytest.skip
+    if problem := netns_problem():
         missing(f"network namespaces: {problem}")
 
 
@@ -197,10 +201,8 @@ class Hosts:
         (iptables' statistic match in its namespace; this kernel has no sch_netem). Every
         host's ``eth0`` first sends one frame per packet (``gso_max_segs 1``: no 64 KB GSO
         batches through the veths), so a packet dropped is one MTU frame, as on a wire."""
-        if shutil.which("iptables") is None and not os.path.exists("/usr/sbin/iptables"):
-            in_ci = os.environ.get("CI", "").lower() in ("1", "true")
-            why = "random loss needs iptables: apt-get install iptables"
-            (pytest.fail if in_ci else pytest.skip)(why)
+        if shutil.which("iptables") is None:  # as _sh runs it: by PATH
+            missing("random loss needs iptables: apt-get install iptables")
         for name in self.names:
             _sh("ip", "-n", self.ns(name), "link", "set", "eth0", "gso_max_segs", "1")
         _sh("ip", "netns", "exec", self.ns(host), "iptables", "-A", "INPUT", "-i", "eth0",

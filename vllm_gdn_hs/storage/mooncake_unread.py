@@ -62,15 +62,20 @@ class UnreadObjects:
                 self.copied -= 0 if copy is None else copy.numel()
                 self.put_done.discard(k)
 
+    def _put_and_found(self) -> tuple[list[tuple[str, torch.Tensor | None]], list[int]]:
+        """The keys whose put returned, with their copies (not the puts in flight: those go to
+        a restarted master themselves), and whether the store has each (1) or not (0)."""
+        with self.lock:
+            owned = [(k, c) for k, c in self.owned.items() if k in self.put_done]
+        return owned, self.store.client.batch_is_exist([k for k, _ in owned]) if owned else []
+
     def unread(self) -> list[str]:
         """The keys put that are still in the store (readers delete theirs), once the marker
         shows that the master kept its objects meanwhile; what a reader took is forgotten."""
-        client = self.store.client
         with self.sweep:  # not while watch() puts objects again
-            with self.lock:
-                keys = [k for k in self.owned if k in self.put_done]
-            found = client.batch_is_exist(keys) if keys else []
-            if client.is_exist(self.marker) != 1:  # lost, not read: watch() puts them again
+            owned, found = self._put_and_found()
+            keys = [k for k, _ in owned]
+            if self.store.client.is_exist(self.marker) != 1:  # lost, not read: put again
                 return keys
             self.forget(k for k, e in zip(keys, found, strict=True) if e == 0)
             return [k for k, e in zip(keys, found, strict=True) if e != 0]
@@ -92,10 +97,7 @@ class UnreadObjects:
             if store.client.is_exist(self.marker) != 0:  # there, or no master to ask: nothing
                 self.unread()
                 return
-            with self.lock:  # not the puts in flight: they go to the restarted master themselves
-                owned = [(k, c) for k, c in self.owned.items() if k in self.put_done]
-            keys = [k for k, _ in owned]
-            found = store.client.batch_is_exist(keys) if keys else []
+            owned, found = self._put_and_found()
             again = [(k, c) for (k, c), e in zip(owned, found, strict=True) if e == 0]
             lost = [k for k, c in again if c is None]
             # The marker first: until the restarted master takes it (its segments mounted
