@@ -7,7 +7,8 @@
 #   2. accuracy of the layer sink (layer_by_layer) against HF (tiny hybrid, eager and CUDA
 #      graphs)
 #   3. the 27B-shape bench, plain then ours with layer_by_layer, vLLM's default GDN kernels
-#      (run48.sh 1a, 1b on 128x1024 and chat): the KV cache, the warm-up peak, throughput
+#      (run48.sh 1a, 1b on 128x1024, then both on chat): the KV cache, the warm-up peak,
+#      throughput
 #   4. while device time lasts: ours stacked, fp8, the end-to-end rate (run48.sh 1c, 2, 3a,
 #      3b), speculators' generator SIGKILLed and resumed, the deep hybrid, /metrics
 # Started by tools/device/session.sh start; SESSION is where everything goes.
@@ -27,8 +28,8 @@ suite() {  # OUT folder, then the pytest node ids
 T=420 suite shutdown \
     "tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason"
 T=300 suite accuracy tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer
-for step in 1a 1b; do
-    WL=128x1024,chat BUDGET=360 bash tools/gpu_runs/run48.sh "$SESSION/r48" $step
+for wl in 128x1024 chat; do  # the KV cache and 128x1024 of both first, then chat of both
+    for step in 1a 1b; do WL=$wl BUDGET=300 bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done
 done
 for step in 1c 2 3a 3b; do BUDGET=480 bash tools/gpu_runs/run48.sh "$SESSION/r48" $step; done
 log "pipeline start"

@@ -29,7 +29,7 @@ from hs_connectors.mooncake_store import VERSION, packed_layout
 
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, advertise_address, check_master
-from vllm_gdn_hs.storage.mooncake_unread import UnreadObjects
+from vllm_gdn_hs.storage.mooncake_unread import WATCH_S, UnreadObjects
 
 logger = init_logger(__name__)
 
@@ -283,6 +283,7 @@ class MooncakeStore:
                 removed += self.client.remove(key, True) == 0
         with contextlib.suppress(Exception):
             self.client.remove(self.unread_objects.marker, True)
+        self._close_client()
         log = logger.error if unread else logger.info
         log(
             "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "
@@ -295,6 +296,21 @@ class MooncakeStore:
             unread,
             removed,
         )
+
+    def _close_client(self) -> None:
+        """Close the Mooncake client once no thread of ours calls it: left to the interpreter's
+        exit, its C++ teardown may abort the process (``terminate called``)."""
+        self.unread_objects.thread.join(timeout=2 * WATCH_S + 5)
+        busy = [t.name for t in (self.error_thread, self.unread_objects.thread) if t.is_alive()]
+        if busy:
+            logger.warning(
+                "%s: Mooncake client left open at shutdown: %s still running",
+                CONNECTOR_NAME,
+                ", ".join(busy),
+            )
+            return
+        with contextlib.suppress(Exception):
+            self.client.close()
 
     def _wait_for_readers(self, until: float | None) -> int:
         """How many objects (error objects aside) no reader took by ``until``."""

@@ -34,7 +34,8 @@ class UnreadObjects:
         self.copied = 0  # bytes of the copies in owned
         self.marker = f"vllm-gdn-hs-alive-{secrets.token_hex(8)}"
         self._put_marker()
-        threading.Thread(target=self._loop, name="hs-mooncake-watch", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="hs-mooncake-watch", daemon=True)
+        self.thread.start()
 
     def _put_marker(self) -> None:
         s = self.store
