@@ -1,12 +1,11 @@
 """``vllm-gdn-hs check DIR``: after (or during) a run, which hidden-state files are sound.
 
-Every request is sorted into complete, being written (a live writer holds ``<file>.lock``),
-lost (a lock nobody holds and no file: the writer died) or broken (truncated, not the
-speculators layout, another layer set than the rest of the folder); stale temp files are
-listed too. Only headers are read (no torch), unless ``--rows`` checks every row as the
-connector does. ``--reference MODEL`` holds a sample to HF transformers (:func:`run_spot_check`):
-a wrong state that is finite and not zero (a recycled GDN state, rows shifted by a token) is
-only seen against the model itself.
+Every request is sorted into complete, being written (a live writer holds ``<file>.lock``), lost (a
+lock nobody holds and no file: the writer died) or broken (truncated, not the speculators layout,
+another layer set than the rest of the folder); stale temp files are listed too. Only headers are
+read (no torch), unless ``--rows`` checks every row as the connector does. ``--reference MODEL``
+holds a sample to HF transformers (:func:`run_spot_check`): a wrong state that is finite and not
+zero (a recycled GDN state, rows shifted by a token) is only seen against the model itself.
 """
 
 from __future__ import annotations
@@ -194,15 +193,7 @@ def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, 
 
 
 def sample(paths: list[str], n: int) -> list[str]:
-    """``n`` of ``paths`` spread evenly over them (all of them if there are no more)."""
     return list(paths) if len(paths) <= n else [paths[i * len(paths) // n] for i in range(n)]
-
-
-def _read(path: str, max_tokens: int) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return {k: f.get_slice(k)[:max_tokens] for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
 
 
 def run_spot_check(
@@ -216,6 +207,8 @@ def run_spot_check(
 ) -> int:
     """A sample of :func:`scan`'s ``complete_paths`` against HF transformers on ``model``: 0
     within the bar; 1: a file or the pooled sample is not; 2: bad input."""
+    from safetensors import safe_open
+
     from vllm_gdn_hs.files import hidden_states_of
     from vllm_gdn_hs.model_info import cached_model_folder, read_model_info, validate_layer_ids
     from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
@@ -239,7 +232,8 @@ def run_spot_check(
     data, width = {}, set()
     for path in chosen:
         try:
-            data[path] = _read(path, max_tokens)
+            with safe_open(path, "pt") as f:  # the first max_tokens rows of each tensor
+                data[path] = {k: f.get_slice(k)[:max_tokens] for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
             width.add(hidden_states_of(data[path]).shape[1])
         except Exception as e:  # truncated or foreign: check's own report lists it
             data.pop(path, None)
@@ -248,9 +242,8 @@ def run_spot_check(
         return _error(f"no readable file among the {len(chosen)} sampled")
     if width != {len(layer_ids)}:
         return _error(
-            f"the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; "
-            "pass the layer ids the server extracted (in its order, as the launcher prints "
-            "them)"
+            f"the files hold {sorted(width)} layers, --layer-ids names {len(layer_ids)}; pass the "
+            "layer ids the server extracted (in its order, as the launcher prints them)"
         )
     print(
         f"{len(data)} of the complete files under {root}, first {max_tokens} tokens each, "

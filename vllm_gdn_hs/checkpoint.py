@@ -11,7 +11,6 @@ import os
 
 # Multimodal checkpoints keep the language model under this prefix: (text model's, checkpoint's).
 _MM_PREFIX = ("model.", "model.language_model.")
-# Weights of a multimodal checkpoint that its language model does not use.
 _NOT_LANGUAGE_MODEL = ("model.visual.", "mtp.")
 
 
@@ -70,7 +69,6 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
     from safetensors.torch import load_file
 
     dtype = dtype or torch.bfloat16
-
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     model = text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
@@ -86,11 +84,9 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
             for k, v in load_file(shard).items()
             if not k.startswith(_NOT_LANGUAGE_MODEL)
         }
-        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
-        if unexpected:
+        if unexpected := model.load_state_dict(state, strict=False).unexpected_keys:
             raise ValueError(f"{shard}: weights the model does not have: {unexpected[:5]}")
         loaded |= set(state)
-    missing = [sorted(group)[0] for group in names.values() if not group & loaded]
-    if missing:
+    if missing := [sorted(group)[0] for group in names.values() if not group & loaded]:
         raise ValueError(f"{path}: weights missing from the checkpoint: {sorted(missing)[:5]}")
     return model.to(device).eval()

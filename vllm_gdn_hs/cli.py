@@ -7,7 +7,7 @@ import argparse
 import sys
 from importlib import metadata
 
-from vllm_gdn_hs.model_info import PACKAGED_CONFIGS, flat, layer_ids_arg
+from vllm_gdn_hs.model_info import PACKAGED_CONFIGS, flat, layer_ids_arg, write_config
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
@@ -110,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_doctor(args.model, args.hidden_states_path, args.mooncake_master)
     if args.command == "config":
-        from vllm_gdn_hs.model_info import write_config
-
         print(f"wrote {write_config(args.model, args.dir)}")
         return 0
     if args.command == "check":

@@ -19,8 +19,6 @@ from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 
 class HiddenStatesConfig(BaseModel):
-    """``kv_connector_extra_config`` of the connector."""
-
     model_config = ConfigDict(extra="forbid")
 
     shared_storage_path: str = "/tmp/hidden_states"
@@ -65,8 +63,7 @@ class HiddenStatesConfig(BaseModel):
     # Where a client's own "hidden_states_path" may point, with allow_custom_save_path on;
     # default: shared_storage_path. Anything resolving outside it is refused.
     custom_save_root: str | None = None
-    # The mooncake backend (speculators' shape): each request's rows go to one object in a
-    # Mooncake store instead of a file (vllm_gdn_hs.storage.mooncake).
+    # Set: the mooncake backend (vllm_gdn_hs.storage.mooncake), one object per request, no files.
     mooncake: MooncakeOptions | None = None
 
     @model_validator(mode="after")
@@ -107,8 +104,7 @@ def problems(e: ValidationError, prefix: str = "") -> str:
 
 
 def speculative_config(layer_ids: list[int]) -> dict:
-    """The ``extract_hidden_states`` speculative config, as speculators asks for it: it
-    carries only the layer ids."""
+    """speculators' ``extract_hidden_states`` speculative config: it carries only the layer ids."""
     return {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -117,8 +113,6 @@ def speculative_config(layer_ids: list[int]) -> dict:
 
 
 def kv_transfer_config(connector: str | None = None, **extra) -> dict:
-    """The KV transfer config of ``connector`` (default ours) with its
-    ``kv_connector_extra_config``."""
     return {
         "kv_connector": connector or CONNECTOR_NAME,
         "kv_role": "kv_producer",

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from importlib import metadata
+from itertools import groupby
 
 from vllm_gdn_hs import version
 from vllm_gdn_hs.config import HiddenStatesConfig
@@ -31,14 +32,8 @@ MOONCAKE_WHEELS = (
 
 def _compress(ids: list[int]) -> str:
     """[0, 1, 2, 4] -> '0-2,4'"""
-    parts, start = [], None
-    for i, x in enumerate(ids):
-        if start is None:
-            start = x
-        if i + 1 == len(ids) or ids[i + 1] != x + 1:
-            parts.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(parts) or "-"
+    runs = [[x for _, x in run] for _, run in groupby(enumerate(ids), lambda p: p[1] - p[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "-"
 
 
 def mooncake_checks(master: str) -> list[Row]:
@@ -66,10 +61,9 @@ def mooncake_checks(master: str) -> list[Row]:
 
 
 def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], list[str]]:
-    """Files inside packages that two or more installed distributions claim (their
-    ``RECORD``s), by the claiming distributions. Which wheel's copy won depends on the
-    unpacking order: cuda-python < 12.8 carries cuda.bindings' own files, which break torch's
-    cuda-bindings 13 when they win."""
+    """Files inside packages that two or more installed distributions claim (their ``RECORD``s), by
+    the claiming distributions. Which wheel's copy won depends on the unpacking order: cuda-python <
+    12.8 carries cuda.bindings' own files, which break torch's cuda-bindings 13 when they win."""
     owners: dict[str, set[str]] = {}
     for dist in metadata.distributions(**({"path": path} if path else {})):
         for f in dist.files or ():
@@ -86,19 +80,14 @@ def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], li
 
 def install_checks() -> list[Row]:
     """No two distributions own the same file: the row ``.ci/run`` and a user's doctor share."""
-    rows = [
-        (
-            "installed files",
-            f"{len(paths)} owned by {' and '.join(names)} (e.g. {min(paths)})",
-            "one wheel overwrote the other's files: uv pip install "
-            + (
-                "'cuda-python>=12.8' --reinstall-package cuda-bindings"
-                if "cuda-python" in names
-                else " ".join(f"--reinstall-package {n}" for n in names)
-            ),
-        )
-        for names, paths in overlapping_files().items()
-    ]
+    rows: list[Row] = []
+    for names, paths in overlapping_files().items():
+        fix = " ".join(f"--reinstall-package {n}" for n in names)
+        if "cuda-python" in names:
+            fix = "'cuda-python>=12.8' --reinstall-package cuda-bindings"
+        owners = f"{len(paths)} owned by {' and '.join(names)} (e.g. {min(paths)})"
+        why = f"one wheel overwrote the other's files: uv pip install {fix}"
+        rows.append(("installed files", owners, why))
     return rows or [("installed files", "one owner each", None)]
 
 
@@ -181,8 +170,7 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
 
 
 def storage_checks(path: str, hidden_size: int | None) -> list[Row]:
-    """The hidden-states folder: writable, free space, write speed, and what those mean in
-    tokens at speculators' default of 4 layers when the model's hidden size is known."""
+    """The hidden-states folder: writable, free space and write speed, also in tokens."""
     try:
         if why := check_storage_path(path):
             raise ValueError(
@@ -281,8 +269,7 @@ def iter_checks(
     hidden_states_path: str | None = None,
     mooncake_master: str | None = None,
 ) -> Iterator[list[Row]]:
-    """Groups of rows, the fast ones first: the model's (an unreachable hub fails in seconds),
-    the install, vLLM (imports it), the GPU, host memory, the folder, the Mooncake master."""
+    """Groups of rows, the fast ones first (an unreachable hub fails in seconds)."""
     hidden_size = None
     if model:
         rows, hidden_size = model_checks(model)

@@ -50,11 +50,9 @@ def file_name(request_id: str) -> str:
         chr(b) if _SAFE.match(bytes([b])) and not (i == 0 and b == 0x2E) else f"%{b:02X}"
         for i, b in enumerate(raw)
     )
-    if not stem:
-        stem = "%"
+    stem = stem or "%"
     if len(stem) > MAX_STEM:
-        digest = hashlib.sha256(raw).hexdigest()[:32]
-        stem = stem[: MAX_STEM - 33] + "~" + digest
+        stem = stem[: MAX_STEM - 33] + "~" + hashlib.sha256(raw).hexdigest()[:32]
     return stem + SUFFIX
 
 

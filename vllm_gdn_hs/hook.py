@@ -69,9 +69,7 @@ def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
     subs = (getattr(kv, "kv_connector_extra_config", None) or {}).get("connectors") or ()
     names = [getattr(kv, "kv_connector", None)]
     names += [c.get("kv_connector") for c in subs if isinstance(c, dict)]
-    for name in names:
-        if not name:
-            continue
+    for name in filter(None, names):
         try:
             cls = KVConnectorFactory.get_connector_class_by_name(name)
         except ValueError:

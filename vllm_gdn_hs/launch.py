@@ -16,19 +16,11 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from vllm_gdn_hs import serve_args
+from vllm_gdn_hs import model_info, serve_args
 from vllm_gdn_hs.backends import BACKENDS, FileLaunch
 from vllm_gdn_hs.config import speculative_config
-from vllm_gdn_hs.model_info import (
-    ModelInfo,
-    default_layer_ids,
-    flat,
-    layer_ids_arg,
-    read_model_info,
-    validate_layer_ids,
-)
 from vllm_gdn_hs.patch import runtime_patches
-from vllm_gdn_hs.serve_args import LaunchError
+from vllm_gdn_hs.serve_args import LaunchError, warn
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
 
 _USAGE = (
@@ -62,7 +54,7 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
         add_launch_args(parser)  # once each: fp8 has the file backend's options
     parser.add_argument(
         "--target-layer-ids",
-        type=layer_ids_arg,
+        type=model_info.layer_ids_arg,
         nargs="+",
         help="(Optional) A list of integer layer ids, separated by spaces or commas. Defaults to "
         "[2, num_hidden_layers // 2, num_hidden_layers - 3]. Note: if set, you must also "
@@ -95,7 +87,7 @@ def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namesp
     argv, after = list(argv[:cut]), list(argv[cut + 1 :])
     mooncake = any("mooncake" in a for a in argv)  # the backend's name, or its options
     args, unknown = make_parser(prog, mooncake).parse_known_args(argv)
-    args.target_layer_ids = flat(args.target_layer_ids)
+    args.target_layer_ids = model_info.flat(args.target_layer_ids)
     args.vllm_args = [*unknown, *after]
     return args
 
@@ -104,36 +96,32 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
     first, so a warning never speaks of an id that is then refused."""
     n = num_hidden_layers
-    ids = list(args.target_layer_ids or default_layer_ids(n))
+    ids = list(args.target_layer_ids or model_info.default_layer_ids(n))
     if args.target_layer_ids and args.include_last_layer and n not in ids:
         ids.append(n)
-    ids = validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
+    ids = model_info.validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
-            print(
-                f"warning: --no-include-last-layer applies only to --target-layer-ids; the "
-                f"default ids {ids} end with the last layer. To leave it out, pass the ids.",
-                file=sys.stderr,
+            warn(
+                f"--no-include-last-layer applies only to --target-layer-ids; the default ids "
+                f"{ids} end with the last layer. To leave it out, pass the ids."
             )
         return ids
-    print(
-        f"warning: using custom target layer ids {ids}. Pass the same ids, without the "
-        f"last one ({ids[-1]}), to the training script: it takes the last layer of each "
-        "file as the verifier's hidden state.",
-        file=sys.stderr,
+    warn(
+        f"using custom target layer ids {ids}. Pass the same ids, without the last one "
+        f"({ids[-1]}), to the training script: it takes the last layer of each file as the "
+        "verifier's hidden state."
     )
     if ids[-1] != max(ids):  # files keep this order: the trainer's verifier is ids[-1]
-        print(
-            f"warning: the layer ids {ids} do not end with the deepest one, so the trainer "
-            f"would take layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; "
-            "list them in increasing order unless that is meant.",
-            file=sys.stderr,
+        warn(
+            f"the layer ids {ids} do not end with the deepest one, so the trainer would take "
+            f"layer {ids[-1]}, not {max(ids)}, as the verifier's hidden state; list them in "
+            "increasing order unless that is meant."
         )
     elif ids != sorted(ids):
-        print(
-            f"warning: the layer ids {ids} are not in increasing order; the files keep "
-            "this order, so the trainer's auxiliary layers come in it too.",
-            file=sys.stderr,
+        warn(
+            f"the layer ids {ids} are not in increasing order; the files keep this order, so "
+            "the trainer's auxiliary layers come in it too."
         )
     return ids
 
@@ -145,8 +133,7 @@ class LaunchPlan:
 
 
 def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
-    backend = BACKENDS.get(args.hidden_states_backend)
-    if backend is None:
+    if (backend := BACKENDS.get(args.hidden_states_backend)) is None:
         raise LaunchError(
             f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
             f"vllm-gdn-hs ships {', '.join(repr(b) for b in BACKENDS)}"
@@ -154,20 +141,19 @@ def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
     return backend
 
 
-def build_plan(args: argparse.Namespace, info: ModelInfo | None = None) -> LaunchPlan:
+def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = None) -> LaunchPlan:
     """The plan for ``args`` (from :func:`parse_args`), from the arguments and the model's
     config alone: nothing is probed or made (:func:`preflight` does that)."""
     backend = backend_of(args)
-    info = info or read_model_info(args.model, trust_remote_code=args.trust_remote_code)
+    info = info or model_info.read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = serve_args.take_kv_transfer_config(args.vllm_args)
     serve_args.check_vllm_args(vllm_args, info)
-    spec = speculative_config(ids)
     kv = backend.build_kv_transfer_config(args, user_kv)
     drain_s = serve_args.drain_seconds(kv)
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
-        "--speculative_config", json.dumps(spec),
+        "--speculative_config", json.dumps(speculative_config(ids)),
         "--kv_transfer_config", json.dumps(kv),
         *serve_args.extra_vllm_args(vllm_args, info),
         *serve_args.shutdown_args(vllm_args, drain_s),
@@ -199,8 +185,7 @@ def preflight(args: argparse.Namespace) -> None:
         raise LaunchError(
             "no GPU is visible here"
             + (f" (CUDA_VISIBLE_DEVICES={cuda!r})" if cuda is not None else "")
-            + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the "
-            "command"
+            + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the command"
         )
     backend_of(args).check_storage(args)
 

@@ -53,10 +53,8 @@ def packaged_config_path(model: str) -> str | None:
 
 
 def write_config(model: str, folder: str) -> str:
-    """Write the packaged config.json of ``model`` into ``folder`` (made if missing); return
-    the file's path. Nothing is downloaded."""
-    src = packaged_config_path(model)
-    if src is None:
+    """The packaged config.json of ``model``, written into ``folder`` (made if missing), offline."""
+    if (src := packaged_config_path(model)) is None:
         raise ModelConfigError(
             f"no config of {model!r} is packaged (only {', '.join(PACKAGED_CONFIGS)}): "
             f"`hf download {model} config.json --local-dir {folder}`, with network"
@@ -67,16 +65,13 @@ def write_config(model: str, folder: str) -> str:
 
 def hub_fix(model: str) -> str:
     """What to do when a hub id's config cannot be had: the words every command uses."""
-    offline = (
-        f"; offline, `vllm-gdn-hs config {model} DIR` writes the packaged one"
-        if model in PACKAGED_CONFIGS
-        else ""
+    fix = (
+        f"pass the model's folder instead, or download its config.json first (`hf download {model} "
+        "config.json --local-dir DIR`, then pass DIR; enough for --dry-run and doctor)"
     )
-    return (
-        f"pass the model's folder instead, or download its config.json first (`hf download "
-        f"{model} config.json --local-dir DIR`, then pass DIR; enough for --dry-run and "
-        f"doctor){offline}"
-    )
+    if model in PACKAGED_CONFIGS:
+        fix += f"; offline, `vllm-gdn-hs config {model} DIR` writes the packaged one"
+    return fix
 
 
 def cached_model_folder(model: str) -> str | None:
@@ -144,9 +139,8 @@ def _load_config_dict(model: str) -> dict:
             if os.listdir(model) == [".cache"]:  # what `hf download` leaves when it fails
                 raise ModelConfigError(
                     f"{model} holds only .cache/: an `hf download` into it did not finish "
-                    f"(no network?). Run it again with network, or offline: "
-                    f"`vllm-gdn-hs config MODEL {model}` for "
-                    f"{', '.join(PACKAGED_CONFIGS)}"
+                    "(no network?). Run it again with network, or offline: `vllm-gdn-hs config "
+                    f"MODEL {model}` for {', '.join(PACKAGED_CONFIGS)}"
                 )
             raise ModelConfigError(f"{model} has no config.json: is it a HF model folder?")
         return _read_json(path)
@@ -188,7 +182,7 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """speculators' default target layers: [2, N // 2, N - 3, N]."""
+    """speculators' default target layers."""
     n = num_hidden_layers
     return [2, n // 2, n - 3, n]
 
@@ -215,14 +209,12 @@ def flat(lists: list[list[int]] | None) -> list[int] | None:
 def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
     """Layer id k is the residual stream after k decoder layers (0 = embeddings)."""
     n = num_hidden_layers
-    bad = [i for i in layer_ids if not 0 <= int(i) <= n]
-    if bad:
+    if bad := [i for i in layer_ids if not 0 <= int(i) <= n]:
         raise ValueError(
             f"layer ids {bad} are out of range: this model has {n} layers, so ids must be "
             f"in 0..{n} (id {n} is the last layer's output, before the final norm)"
         )
-    dup = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
-    if dup:
+    if dup := sorted({i for i in layer_ids if layer_ids.count(i) > 1}):
         raise ValueError(f"layer ids {dup} are repeated; give each layer id once")
     if not layer_ids:
         raise ValueError("no layer ids given; pass at least one")

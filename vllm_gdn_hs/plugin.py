@@ -9,10 +9,9 @@ _registered = False
 
 
 def register() -> None:
-    """Check the vLLM version, apply its runtime patches, register the connector (by module
-    path: its code is imported only when a config names it; the patches are inert unless one
-    does). On an unsupported vLLM it never raises (vLLM calls it in every process): it logs a
-    warning and registers :mod:`vllm_gdn_hs.unsupported` under the connector's name."""
+    """Register the connector by module path: its code is imported only when a config names it
+    (the patches are inert unless one does). On an unsupported vLLM it never raises (vLLM calls
+    it in every process): it warns and registers :mod:`vllm_gdn_hs.unsupported` instead."""
     global _registered
     if _registered:
         return

@@ -97,7 +97,6 @@ def hf_hidden_states(
 
 
 def relative_errors(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
-    """||got - ref|| / ||ref|| per layer, for [T, L, H] tensors."""
     got, ref = got.float(), ref.float()
     return [((got[:, i] - ref[:, i]).norm() / ref[:, i].norm()).item() for i in range(ref.shape[1])]
 
@@ -156,8 +155,7 @@ def worst_by_layer(checks: list[dict]) -> dict:
     """Several :meth:`HFReference.check` results' errors against HF fp32 (ours, HF bf16),
     worst per layer and overall, and the worst ratio of ours to HF bf16's in one file and
     layer (the per-file bound). Empty if none has any."""
-    done = [c for c in checks if c["ours"]]
-    if not done:
+    if not (done := [c for c in checks if c["ours"]]):
         return {}
     ours = torch.tensor([c["ours"] for c in done])
     hf = torch.tensor([c["hf_bf16"] for c in done])

@@ -28,5 +28,4 @@ def check_norms(norms) -> str | None:
 
 
 def check_rows(hidden_states) -> str | None:
-    """Why these rows must not be shipped, or None. Catches NaN/Inf and zero rows."""
     return check_norms(row_norms(hidden_states))

@@ -4,6 +4,7 @@ hidden-state extraction, and completed with the flags extraction needs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -90,8 +91,7 @@ def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
 
 
 def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
-    used = _last_value(vllm_args, {"--speculative-config", "-sc"})
-    if used:
+    if used := _last_value(vllm_args, {"--speculative-config", "-sc"}):
         raise LaunchError(
             f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
             "the vLLM arguments and use --target-layer-ids/--include-last-layer instead"
@@ -129,11 +129,10 @@ def extra_vllm_args(vllm_args: list[str], info: ModelInfo) -> list[str]:
         if not user:
             extra += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
         elif "gdn_prefill_backend" not in (user[1] or ""):  # the user's JSON wins, as is
-            print(
-                f"warning: flashinfer is not installed and {user[0]} {user[1]} does not set "
+            warn(
+                f"flashinfer is not installed and {user[0]} {user[1]} does not set "
                 'gdn_prefill_backend: add "gdn_prefill_backend": "triton" to it, or vLLM '
-                "may pick the flashinfer GDN prefill kernel and fail at startup.",
-                file=sys.stderr,
+                "may pick the flashinfer GDN prefill kernel and fail at startup."
             )
     return extra
 
@@ -170,8 +169,7 @@ def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
     environ = os.environ if environ is None else environ  # now, not at import
     if SHUTDOWN_ENV not in environ:
         return {SHUTDOWN_ENV: str(window)}
-    if not _at_least(environ[SHUTDOWN_ENV], window):
-        _warn_short(f"{SHUTDOWN_ENV}={environ[SHUTDOWN_ENV]}", window)
+    _warn_if_short(f"{SHUTDOWN_ENV}={environ[SHUTDOWN_ENV]}", environ[SHUTDOWN_ENV], window)
     return {}
 
 
@@ -181,23 +179,22 @@ def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
     window = shutdown_window(drain_s)
     user = _last_value(vllm_args, {"--shutdown-timeout"})
     if user is not None:
-        if user[1] != "0" and not _at_least(user[1], window):
-            _warn_short(f"{user[0]} {user[1]}", window)
+        if user[1] != "0":
+            _warn_if_short(f"{user[0]} {user[1]}", user[1], window)
         return []
     return [] if engine_wait_from_env() else ["--shutdown-timeout", str(window)]
 
 
-def _at_least(value: str | None, window: int) -> bool:
-    try:
-        return float(value) >= window
-    except (TypeError, ValueError):
-        return False
-
-
-def _warn_short(what: str, window: int) -> None:
-    print(
-        f"warning: {what} may stop vLLM's engine core before the hidden-state files of "
-        f"answered requests are written: it needs {window} s (shutdown_drain_s plus "
-        f"{TEARDOWN_S} s of teardown); files not written lose their lock.",
-        file=sys.stderr,
+def _warn_if_short(what: str, value: str | None, window: int) -> None:
+    with contextlib.suppress(TypeError, ValueError):
+        if float(value) >= window:  # seconds
+            return
+    warn(
+        f"{what} may stop vLLM's engine core before the hidden-state files of answered "
+        f"requests are written: it needs {window} s (shutdown_drain_s plus {TEARDOWN_S} s of "
+        "teardown); files not written lose their lock."
     )
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)

@@ -26,8 +26,7 @@ BACKEND = "mooncake-fp8"
 
 
 class MooncakeFP8Transfer(transfer.MooncakeTransfer):
-    """hs-connectors' Mooncake reader, then its fp8 reader's dequantization (a bf16 object
-    passes unchanged)."""
+    """hs-connectors' Mooncake reader, then its fp8 reader's dequantization (bf16 passes as is)."""
 
     dequantize_dtype = torch.bfloat16
     _dequantize = transfer.FP8Transfer._dequantize

@@ -17,8 +17,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DIST_NAME = "vllm-gdn-hs"
-# Every published vLLM release from the first to the last supported one (tests/matrix.sh
-# installs each): supported, or refused with its reason in REFUSED.
+# Every published release from the first supported to the last (tests/matrix.sh installs each).
 RELEASES = (
     "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
@@ -27,7 +26,6 @@ RELEASES = (
 REFUSED: dict[str, str] = {}
 # .ci/run's releases: the first, the last with vLLM's V1 runner, and the newest.
 CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
-# vLLM 0.34.0 pins a flashinfer-python the package index lacks (overrides.txt takes 0.7.4).
 NEEDS_OVERRIDES = ("0.34.0",)
 # Which runner extraction runs on: Model Runner V2 from 0.33.0, vLLM's default there (its patch
 # is written against 0.33.0's runner); V1 up to 0.33.0 (0.34.0 deleted it). On 0.33.0, V1 by
@@ -35,11 +33,9 @@ NEEDS_OVERRIDES = ("0.34.0",)
 MODEL_RUNNER_V2_FROM = "0.33.0"
 V1_RUNNER_UNTIL = "0.33.0"
 V2_DEFAULT_FROM = "0.34.0"
-# From this release vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine
-# core processes; before, the launcher passes --shutdown-timeout instead (serve_args.py).
+# From here vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine cores.
 ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
-# A vLLM newer than RELEASES[-1] is untested: refused by default, run with this variable set
-# to 1 (patch/ then probes that every vLLM method it wraps is still there).
+# Set to 1, a vLLM newer than RELEASES[-1] runs (patch/ probes every vLLM method it wraps).
 ALLOW_UNTESTED = "VLLM_GDN_HS_ALLOW_UNTESTED_VLLM"
 
 
@@ -48,8 +44,7 @@ class UnsupportedVllmError(RuntimeError): ...
 
 @functools.cache
 def requirement(name: str) -> SpecifierSet:
-    """The versions of ``name`` this package requires, from its own package metadata (written
-    once, in pyproject.toml)."""
+    """The versions of ``name`` this package requires, from its metadata (pyproject.toml)."""
     for line in metadata.requires(DIST_NAME) or []:
         req = Requirement(line)
         if req.name == name and not req.marker:
@@ -74,12 +69,9 @@ def installed_vllm() -> Version | None:
 
 
 def release(version: str | None = None) -> str:
-    """A release without its local part (0.20.1+cu130 is 0.20.1); default: the installed one
-    ("0" if none)."""
-    if version is None:
-        v = installed_vllm()
-        return v.base_version if v is not None else "0"
-    return Version(version).base_version
+    """A release without its local part (0.20.1+cu130 is 0.20.1); default: the installed, or "0"."""
+    v = installed_vllm() if version is None else Version(version)
+    return v.base_version if v is not None else "0"
 
 
 def _at_least(since: str, version: str | None) -> bool:
@@ -177,7 +169,6 @@ def check_vllm(version: Version | None = None) -> Version:
             f"vLLM is not installed; {DIST_NAME} needs vllm {describe_releases()}: "
             f"{install_command(RELEASES[-1])}"
         )
-    # Compare the release only: local builds (0.20.1+cu130) are the same release.
     release = version.base_version
     install = install_command(nearest_release(version))
     if release in REFUSED:

@@ -88,8 +88,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             assert isinstance(connector_metadata, HybridHiddenStatesConnectorMetadata)
             self._worker.on_metadata(connector_metadata)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass  # nothing to load
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None: ...
 
     @staticmethod
     def profile_save_hidden_states(vllm_config: VllmConfig, hidden_states: torch.Tensor) -> None:
@@ -109,16 +108,11 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
             self._worker.save(hidden_states, req_ids, query_start_loc_cpu, positions)
 
     def take_rows(self, num_tokens: int):
-        """A pinned host slot that the runner fills one layer at a time during the forward
-        pass (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`), or None: a rank that does not
-        write, or fp8 (its per-token scale spans all layers, so it needs them together)."""
-        if self._worker is None or self.cfg.fp8:
+        if self._worker is None or self.cfg.fp8:  # fp8: a row's scale spans all its layers
             return None
         return self._worker.take(num_tokens)
 
     def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
-        """After the forward pass that filled ``slot``: its norms [tokens, L] float32 and
-        positions; the drain files it like :meth:`save_hidden_states`' rows."""
         assert self._worker is not None, "take_rows gave the slot"
         self._worker.save_taken(slot, req_ids, query_start_loc_cpu, norms, positions)
 
@@ -126,21 +120,17 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        pass  # nothing lives in the KV cache
+    ) -> None: ...  # nothing lives in the KV cache
 
     def wait_for_save(self) -> None: ...  # save_hidden_states returns at once
 
     def shutdown(self) -> None:
-        # vLLM calls it from the worker's shutdown, in the engine core's teardown after a
-        # SIGINT/SIGTERM: every finished request is written within shutdown_drain_s.
+        # From the worker's shutdown, in the engine core's teardown (after SIGINT/SIGTERM too).
         if self._worker is not None:
             self._worker.close()
             self._worker = None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """The writer's counters since the last call and its gauges that moved, for vLLM's
-        stats loggers; None when nothing changed."""
         data = self._worker.interval_stats() if self._worker is not None else None
         return HiddenStatesKVConnectorStats(data=data) if data else None
 

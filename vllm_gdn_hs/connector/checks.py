@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import vllm.envs as envs
+
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.model_info import validate_layer_ids
 from vllm_gdn_hs.names import CONNECTOR_NAME
@@ -25,8 +27,7 @@ def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
 def validate_vllm_config(
     vllm_config: VllmConfig, cfg: HiddenStatesConfig | None = None
 ) -> list[int]:
-    """Startup checks; each error names the fix. Returns the layer ids. ``cfg``: the
-    connector's options, if already parsed (:func:`config_from`)."""
+    """The layer ids, once the checks pass; ``cfg``: the options if parsed (:func:`config_from`)."""
     spec = vllm_config.speculative_config
     if spec is not None:
         raise ValueError(
@@ -69,7 +70,10 @@ def validate_vllm_config(
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
     # Before 0.33.0 only the V1 runner is patched (vLLM decides the runner in VllmConfig from
     # 0.26.0, by the variable before); from 0.33.0 the patched V2 runner is the plugin's path.
-    if not runs_model_runner_v2() and _v2_model_runner_chosen(vllm_config):
+    v2 = getattr(vllm_config, "use_v2_model_runner", None)
+    if v2 is None:
+        v2 = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
+    if not runs_model_runner_v2() and v2:
         raise ValueError(
             f"{CONNECTOR_NAME} works with vLLM's V1 GPU model runner on this vLLM: unset "
             "VLLM_USE_V2_MODEL_RUNNER (or set it to 0), or install vLLM 0.34.0, where "
@@ -81,10 +85,3 @@ def validate_vllm_config(
             "states): pass --no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
         )
     return layer_ids
-
-
-def _v2_model_runner_chosen(vllm_config: VllmConfig) -> bool:
-    import vllm.envs as envs
-
-    chosen = getattr(vllm_config, "use_v2_model_runner", None)  # 0.26.0 on; before: the variable
-    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False) if chosen is None else chosen)

@@ -62,27 +62,17 @@ class Drain:
         """A request's first step: its place in the storage (lock) and its rows."""
         if req.req_id in self.requests:
             return  # listed as new again (resumed): its rows so far are kept
-        try:
+        flush_rows = PENDING_ROWS + self.created % PENDING_ROWS
+        try:  # the rows first: they hold nothing a reader waits for
+            rows = RequestRows(
+                req, self.num_layers, self.hidden, self.dtype, flush_rows, self.norms_width
+            )
             stored = self.storage.start(req.req_id, req.path)
         except Exception as e:  # never stop the engine for one request's file
             failed(self.book, req.req_id, f"cannot start its rows or lock for {req.path}: {e}")
             return
-        flush_rows = PENDING_ROWS + self.created % PENDING_ROWS
-        try:
-            rows = RequestRows(
-                req, self.num_layers, self.hidden, self.dtype, flush_rows, self.norms_width
-            )
-        except Exception as e:
-            why = f"cannot start its rows for {req.path}: {e}"
-            self.storage.abandon(stored, why)
-            failed(self.book, req.req_id, why)
-            return
         self.created += 1
         self.requests[req.req_id] = ActiveRequest(rows, stored)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.requests)
 
     def flushed(self, timeout: float) -> bool:
         """Wait until the drain thread has done every task queued before this call."""
@@ -91,8 +81,7 @@ class Drain:
         return done.wait(timeout)
 
     def stop(self, timeout: float) -> bool:
-        """Run every queued task, then end the thread; False if it is still busy after
-        ``timeout`` s."""
+        """Run every queued task, then end the thread; False if still busy after ``timeout`` s."""
         self.tasks.put(None)
         self.thread.join(max(timeout, 0))
         return not self.thread.is_alive()
@@ -133,8 +122,7 @@ class Drain:
             positions = slot.positions[: qsl[-1]].tolist()
             short: list[tuple[ActiveRequest, int]] = []  # (request, row in the slot)
             for i, req_id in enumerate(task.req_ids):
-                active = self.requests.get(req_id)
-                if active is None:
+                if (active := self.requests.get(req_id)) is None:
                     continue  # aborted, or finished before this step's rows
                 s, e = qsl[i], qsl[i + 1]
                 if e - s > SHORT_RUN:
@@ -183,8 +171,7 @@ class Drain:
         failed(self.book, active.stored.req_id, why)
 
     def _on_finish(self, fin: FinishedRequest) -> None:
-        active = self.requests.pop(fin.req_id, None)
-        if active is None:
+        if (active := self.requests.pop(fin.req_id, None)) is None:
             return
         self.deferring.discard(active.rows)  # from here on only its writer touches it
         if fin.token_ids is None:  # aborted: no file, no lock

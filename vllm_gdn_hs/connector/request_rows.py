@@ -69,8 +69,7 @@ class RequestRows:
             )
 
     def put(self, positions: list[int], rows: torch.Tensor, norms: torch.Tensor) -> None:
-        """Rows and their norms at these token positions; a position written again keeps
-        the later row."""
+        """Rows and their norms at these token positions (one written again: the later row)."""
         self.flush()  # earlier rows first, so that later ones win
         n = len(positions)
         if n == 0:

@@ -57,7 +57,6 @@ class HostSlot:
         return self.start + self.positions.shape[0]
 
     def release(self) -> None:
-        """The drain thread has filed these rows: the ring may hand them out again."""
         self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
@@ -126,13 +125,10 @@ class HostRing:
         pageable memory); its ``hidden_states`` is their [tokens, L, H] view."""
         if not 0 < num_tokens <= self.capacity:
             raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
-        waited = 0.0
         with self.room:
-            start = self._fit(num_tokens)
-            if start is None:
-                began = time.monotonic()
-                while (start := self._fit(num_tokens)) is None:
-                    self.wait_for_room()
+            began, waited = time.monotonic(), 0.0
+            while (start := self._fit(num_tokens)) is None:
+                self.wait_for_room()
                 waited = time.monotonic() - began
             span = slice(start, start + num_tokens)
             rows, layers = self.hidden_states[span], None
@@ -161,8 +157,7 @@ class HostRing:
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
     ) -> tuple[HostSlot, float]:
-        """Start copying one step's rows, their norms and positions into the ring; returns the
-        slot and the seconds waited for room."""
+        """Start copying one step's rows, norms and positions into the ring (as :meth:`take`)."""
         slot, waited = self.take(hidden_states.shape[0])
         rows, norms = rows_and_norms(hidden_states, self.fp8)
         pairs = [(slot.hidden_states, rows), (slot.norms, norms), (slot.positions, positions)]

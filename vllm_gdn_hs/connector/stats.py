@@ -162,16 +162,11 @@ class HiddenStatesPromMetrics(metrics.KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.per_engine: dict[str, dict[int, Any]] = {}
         for key, (series, doc) in PROM_SERIES.items():
-            name = f"vllm:hidden_states_{series}"
+            kw = dict(name=f"vllm:hidden_states_{series}", documentation=doc, labelnames=labelnames)
             if key in WriterStats.GAUGES:
-                metric = self._gauge_cls(
-                    name=name,
-                    documentation=doc,
-                    labelnames=labelnames,
-                    multiprocess_mode="mostrecent",
-                )
+                metric = self._gauge_cls(**kw, multiprocess_mode="mostrecent")
             else:
-                metric = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                metric = self._counter_cls(**kw)
             self.per_engine[key] = {
                 idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
             }

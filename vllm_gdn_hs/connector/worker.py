@@ -67,21 +67,18 @@ class HybridHiddenStatesConnectorWorker:
         query_start_loc_cpu: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """One step's rows [tokens, L, H] in batch order, with each row's token position."""
         t0 = time.perf_counter()
         slot, waited = self.ring.copy_out(hidden_states, positions)
         self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
 
     def take(self, num_tokens: int):
-        """A layer-major slot for a step whose layers the runner copies out one at a time as
-        the model makes them (before its forward pass); :meth:`save_taken` queues it."""
+        """A layer-major slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
         slot, waited = self.ring.take(num_tokens, layer_major=True)
         self._taken = (waited, t0)
         return slot
 
     def save_taken(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
-        """After the forward pass: the taken slot's norms [tokens, L] and positions."""
         slot.finish(norms, positions)
         self._queue(slot, req_ids, query_start_loc_cpu, *self._taken)
 
@@ -109,7 +106,7 @@ class HybridHiddenStatesConnectorWorker:
         return dataclasses.replace(self.book.snapshot(), **self.gauges())
 
     def gauges(self) -> dict[str, int]:
-        return {**self.writer.gauges(), "in_flight": self.drain.in_flight}
+        return {**self.writer.gauges(), "in_flight": len(self.drain.requests)}
 
     def interval_stats(self) -> dict[str, float]:
         return self.book.interval(self.gauges())
@@ -143,9 +140,7 @@ class HybridHiddenStatesConnectorWorker:
         self.storage.begin_close()  # e.g. writes waiting for a full Mooncake store give up soon
         with _signals_logged(timeout):
             if not self.drain.stop(deadline - time.monotonic()):
-                logger.error(
-                    "%s: the drain thread did not finish within %gs", CONNECTOR_NAME, timeout
-                )
+                logger.error("%s: the drain thread did not end within %gs", CONNECTOR_NAME, timeout)
             self.writer.close(deadline)
             unfinished = self.drain.abandon_unfinished()
             self.storage.close(deadline)  # a store's readers may read until then

@@ -52,8 +52,7 @@ class Writer:
         self.running: set[WriteJob] = set()
         # The backlog and the writes in flight, shared by the drain thread and the writers.
         self.cond = threading.Condition()
-        self.backlog_bytes = 0
-        self.writing = 0
+        self.backlog_bytes = self.writing = 0
         self.deadline: float | None = None  # set by close()
         self.threads = [
             threading.Thread(target=self._loop, name=f"hs-write-{i}", daemon=False)
@@ -108,9 +107,8 @@ class Writer:
             try:
                 job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
-                # The process is ending without close(): finish the queue, then go.
                 if not threading.main_thread().is_alive() and self.producer_done.is_set():
-                    return
+                    return  # the process ends without close(), and the queue is done
                 continue
             if job is None:
                 return
@@ -149,16 +147,14 @@ class Writer:
             self.storage.write(job.stored, hidden_states, ids, scales)
         except Exception as e:
             # On failure the lock goes too, so a reader fails at once, not after 10 s.
-            why = f"not written to {job.stored.path}: {e}"
-            self.storage.abandon(job.stored, why)
-            failed(self.book, job.stored.req_id, why)
+            self._lost(job, f"not written to {job.stored.path}: {e}", counter="failed")
             return
         self.book.add(files=1, bytes=job.nbytes)
 
     # -- shutdown ---------------------------------------------------------------------
-    def close(self, deadline: float) -> int:
+    def close(self, deadline: float) -> None:
         """Wait for every queued write until ``deadline`` (monotonic); abandon what is left
-        (its lock removed, the file may still appear complete). Returns how many were lost."""
+        (its lock removed, the file may still appear complete)."""
         with self.cond:
             self.deadline = deadline
             self.cond.notify_all()
@@ -188,11 +184,10 @@ class Writer:
                 len(running),
                 self.cfg.shutdown_drain_s,
             )
-        return len(left) + len(running)
 
-    def _lost(self, job: WriteJob, why: str) -> None:
+    def _lost(self, job: WriteJob, why: str, counter: str = "lost_at_shutdown") -> None:
         self.storage.abandon(job.stored, why)
-        failed(self.book, job.stored.req_id, why, counter="lost_at_shutdown")
+        failed(self.book, job.stored.req_id, why, counter)
 
 
 def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:

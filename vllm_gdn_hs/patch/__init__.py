@@ -12,17 +12,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
+from vllm_gdn_hs import version
 from vllm_gdn_hs.names import init_logger
-from vllm_gdn_hs.version import (
-    RELEASES,
-    UnsupportedVllmError,
-    has_v1_runner,
-    install_command,
-    installed_vllm,
-    is_untested,
-    release,
-    runs_model_runner_v2,
-)
 
 # The patch modules, in the order they apply (releases differ only in feature probes inside
 # them), plus one patch per runner that carries extraction on the release (version.py).
@@ -35,16 +26,16 @@ V1_RUNNER_PATCH = "patch_worker_gpu_model_runner"
 MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 
 
-def patches_for(version: str | None = None) -> tuple[str, ...]:
+def patches_for(vllm: str | None = None) -> tuple[str, ...]:
     """The patches a vLLM release needs: none for a release the plugin does not support, the
     newest release's for an untested newer one."""
-    version = release(version)
-    if is_untested(version):
-        version = RELEASES[-1]
-    if version not in RELEASES:
+    vllm = version.release(vllm)
+    if version.is_untested(vllm):
+        vllm = version.RELEASES[-1]
+    if vllm not in version.RELEASES:
         return ()
-    runners = ((V1_RUNNER_PATCH,) if has_v1_runner(version) else ()) + (
-        (MODEL_RUNNER_V2_PATCH,) if runs_model_runner_v2(version) else ()
+    runners = ((V1_RUNNER_PATCH,) if version.has_v1_runner(vllm) else ()) + (
+        (MODEL_RUNNER_V2_PATCH,) if version.runs_model_runner_v2(vllm) else ()
     )
     return PATCHES + runners
 
@@ -79,9 +70,8 @@ def require(what, *names: str) -> None:
         have = {f.name for f in dataclasses.fields(what)}
     else:  # a class, NamedTuples' fields included
         have = set(dir(what))
-    for name in names:
-        if name not in have:
-            raise AttributeError(f"{what.__qualname__} has no {name!r}")
+    if missing := [name for name in names if name not in have]:
+        raise AttributeError(f"{what.__qualname__} has no {missing[0]!r}")
 
 
 _applied: list[str] = []
@@ -97,12 +87,12 @@ def _module(name: str):
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except (AttributeError, ImportError) as e:
-        if not is_untested():
+        if not version.is_untested():
             raise
-        raise UnsupportedVllmError(
-            f"vllm {installed_vllm()} lacks what the runtime patch {name} needs "
+        raise version.UnsupportedVllmError(
+            f"vllm {version.installed_vllm()} lacks what the runtime patch {name} needs "
             f"({type(e).__name__}: {e}). Install the newest tested release: "
-            f"{install_command(RELEASES[-1])}"
+            f"{version.install_command(version.RELEASES[-1])}"
         ) from e
 
 

@@ -1,20 +1,17 @@
 """What both runner patches do: set extraction up, and hand a step's rows to the connector.
 
-Runner-neutral (it imports no runner), so that each runner patch imports it on every
-release where that runner exists: ``patch_worker_gpu_model_runner`` (vLLM's V1 GPU model
-runner, up to 0.33.0) and ``patch_worker_gpu_model_runner_v2`` (Model Runner V2, from 0.33.0;
-the only runner from 0.34.0). ``self`` is the runner in every function.
+Runner-neutral (it imports no runner), so that both runner patches import it on every release where
+their runner exists. ``self`` is the runner in every function.
 
-The layer sink (:class:`LayerSink`, Model Runner V2): a model that collects its aux states in
-vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one alive until the forward pass
-ends, so at the last layers' activation peak five of six [tokens, hidden] copies are alive
-(0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing, and 1.75 times that out
-of the KV cache with its margin). In a step that runs eager the sink takes each one as the
-model makes it: its rows start for pinned host memory on the staging ring's side stream (after
-the compute stream made them, so the forward pass does not wait for the copy) and the model
-keeps an empty placeholder, so the copy is freed as soon as it is copied. CUDA-graph steps (at
-most the largest capture size) keep the stacked hand-over: a graph would bake one host address
-into every replay.
+The layer sink (:class:`LayerSink`, Model Runner V2): a model that collects its aux states in vLLM's
+``EagleModelMixin._maybe_add_hidden_state`` keeps each one alive until the forward pass ends, so at
+the last layers' activation peak five of six [tokens, hidden] copies are alive (0.78 GiB at 16,384
+tokens and 27B shape, kept free by vLLM's sizing, and 1.75 times that out of the KV cache with its
+margin). In a step that runs eager the sink takes each one as the model makes it: its rows start for
+pinned host memory on the staging ring's side stream (after the compute stream made them, so the
+forward pass does not wait for the copy) and the model keeps an empty placeholder, so the copy is
+freed as soon as it is copied. CUDA-graph steps (at most the largest capture size) keep the stacked
+hand-over: a graph would bake one host address into every replay.
 """
 
 from __future__ import annotations
@@ -25,11 +22,7 @@ from typing import cast
 import torch
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.hook import (
-    TakesLayerRows,
-    hidden_states_connector,
-    hidden_states_connector_class,
-)
+from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
@@ -50,8 +43,7 @@ def layer_order(layer_ids) -> list[int]:
 
 
 def set_up_extraction(self, vllm_config) -> None:
-    """After a runner's own ``__init__``: the connector's layer ids, the model's aux outputs
-    on, and the index that keeps the configured layer order."""
+    """After a runner's own ``__init__``: aux hidden states on, where the connector extracts."""
     ids = extraction_layer_ids(vllm_config)
     self.hidden_states_layer_ids = ids
     if ids:
@@ -62,11 +54,9 @@ def set_up_extraction(self, vllm_config) -> None:
 
 
 def profile_step(self) -> None:
-    """Allocate what the stacked hand-over of its largest step allocates, inside the runner's
-    ``profile_run``: vLLM sizes the KV cache from that run's peak memory (from 0.34.0, the
-    extensible KV cache keeps that peak free as its transient headroom), and its dummy
-    forward drops the aux states at once. With the layer sink that is the largest step a CUDA
-    graph runs; larger ones go through the sink."""
+    """Allocate what the stacked hand-over of the largest step allocates, inside ``profile_run``
+    (its dummy forward drops the aux states at once). With the layer sink that is the largest
+    step a CUDA graph runs; larger ones go through the sink."""
     num_tokens = self.max_num_tokens
     if getattr(self, "hidden_states_sink", None) is not None:
         num_tokens = min(num_tokens, largest_graph_step(self))
@@ -86,18 +76,21 @@ def profile_step(self) -> None:
     del outputs, rows, positions
 
 
-def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
-    """Stack the aux states of the scheduled tokens, layers in the configured order, into a
-    fresh tensor and give it, with a copy of their positions, to the connector (``self``
-    keeps ``hidden_states_order`` and, after the first step, the connector)."""
+def _connector(self):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    if getattr(self, "hidden_states_connector", None) is None:  # made after profiling
+        self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
+    return self.hidden_states_connector
+
+
+def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
+    """Stack the scheduled tokens' aux states, layers in the configured order, into a fresh
+    tensor and give it, with a copy of their positions, to the connector."""
     num_tokens = int(query_start_loc_cpu[-1])
     if num_tokens == 0:
         return
-    connector = getattr(self, "hidden_states_connector", None)
-    if connector is None:  # first real step: the connector exists only after profiling
-        connector = self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
+    connector = _connector(self)
     if not connector.wants_hidden_states():
         return  # a tensor-parallel rank that does not write: nothing to stack or copy
     sink = getattr(self, "hidden_states_sink", None)
@@ -159,11 +152,10 @@ class LayerSink:
 
 def install_sink(self) -> None:
     """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
-    that an open :class:`LayerSink` takes each aux state. Not installed, and the stacked
-    hand-over used for every step, where it cannot work: a vLLM without ``EagleModelMixin`` or
-    a model that does not use it, sequence parallelism (the model concatenates the aux states
-    after the last layer), fp8 files (a row's scale spans all layers), a connector that
-    cannot take a slot, or ``layer_by_layer`` off (the default)."""
+    that an open :class:`LayerSink` takes each aux state. Not installed (every step stacked)
+    without ``EagleModelMixin`` or a model using it, with sequence parallelism (the model
+    concatenates the aux states after the last layer), fp8 (a row's scale spans all layers), a
+    connector that cannot take a slot, or ``layer_by_layer`` off (the default)."""
     from vllm_gdn_hs.connector.checks import config_from
 
     self.hidden_states_sink = None
@@ -224,16 +216,11 @@ def sink_open(self, num_tokens: int, dummy_run: bool):
     if sink is None or num_tokens <= largest_graph_step(self):
         yield
         return
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     slot = None
     if not dummy_run and has_kv_transfer_group():  # off in vLLM's warm-up and dummy runs
-        connector = getattr(self, "hidden_states_connector", None)
-        if connector is None:
-            connector = self.hidden_states_connector = hidden_states_connector(
-                get_kv_transfer_group()
-            )
-        slot = cast(TakesLayerRows, connector).take_rows(num_tokens)
+        slot = cast(TakesLayerRows, _connector(self)).take_rows(num_tokens)
     sink.start(num_tokens, slot)
     try:
         yield

@@ -1,24 +1,23 @@
 """Hidden states without speculative decoding, and HMA on, for the hidden-states connector.
 
-Why: vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off for any ``--kv-transfer-config``
-the user set no preference for, even a ``SupportsHMA`` connector's, and a GDN hybrid model
-cannot start without HMA. speculators asks for hidden states through the
-``extract_hidden_states`` speculative method, which costs a draft layer in the KV cache, one
-extra GDN state block per request (a fifth of the KV cache at 27B, 8k context) and a wasted
-draft token each decode step.
+Why: vLLM 0.20.1 turns the hybrid KV cache manager (HMA) off for any ``--kv-transfer-config`` the
+user set no preference for, even a ``SupportsHMA`` connector's, and a GDN hybrid model cannot start
+without HMA. speculators asks for hidden states through the ``extract_hidden_states`` speculative
+method, which costs a draft layer in the KV cache, one extra GDN state block per request (a fifth of
+the KV cache at 27B, 8k context) and a wasted draft token each decode step.
 
 How: before the original ``VllmConfig.__post_init__``, for our connector, an
 ``extract_hidden_states`` speculative config is dropped, its layer ids kept in
 ``kv_connector_extra_config["layer_ids"]``. For any ``SupportsHMA`` connector, an unset
-``disable_hybrid_kv_cache_manager`` becomes False where the platform supports HMA (not from
-0.26.0, where vLLM decides per connector). After the original, the connector's startup checks
-run, so a bad configuration fails before any model loads. Where vLLM may pick Model Runner V2
-(0.22.0 to 0.33.0) the connector is listed in ``_get_v2_model_runner_unsupported_features``,
-so vLLM keeps V1 and says why, unless ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for V2 where it is
-patched (``version.MODEL_RUNNER_V2_FROM``). 0.34.0 has neither the method nor a choice.
+``disable_hybrid_kv_cache_manager`` becomes False where the platform supports HMA (not from 0.26.0,
+where vLLM decides per connector). After the original, the connector's startup checks run, so a bad
+configuration fails before any model loads. Where vLLM may pick Model Runner V2 (0.22.0 to 0.33.0)
+the connector is listed in ``_get_v2_model_runner_unsupported_features``, so vLLM keeps V1 and says
+why, unless ``VLLM_USE_V2_MODEL_RUNNER=1`` asks for V2 where it is patched
+(``version.MODEL_RUNNER_V2_FROM``). 0.34.0 has neither the method nor a choice.
 
-Upstream: no "extract hidden states without speculation" mode yet. Remove when there is one.
-Source twins: ``patches/<vllm version>/0001-*.patch``.
+Upstream: no "extract hidden states without speculation" mode yet. Remove when there is one. Source
+twins: ``patches/<vllm version>/0001-*.patch``.
 """
 
 from __future__ import annotations
@@ -107,12 +106,7 @@ def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:
     return unsupported
 
 
-PATCH = Patch(
-    VllmConfig,
-    {"__post_init__": __post_init__}
-    | (
-        {"_get_v2_model_runner_unsupported_features": _get_v2_model_runner_unsupported_features}
-        if _orig_v2_unsupported is not None
-        else {}
-    ),
-)
+_ATTRS: dict[str, object] = {"__post_init__": __post_init__}
+if _orig_v2_unsupported is not None:
+    _ATTRS["_get_v2_model_runner_unsupported_features"] = _get_v2_model_runner_unsupported_features
+PATCH = Patch(VllmConfig, _ATTRS)

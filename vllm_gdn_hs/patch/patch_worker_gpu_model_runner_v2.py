@@ -43,7 +43,6 @@ _orig_load_model = GPUModelRunner.load_model
 _orig_profile_run = GPUModelRunner.profile_run
 _orig_execute_model = GPUModelRunner.execute_model
 _EXECUTE_MODEL_ARGS = inspect.signature(_orig_execute_model)
-# What execute_model and save_step read besides the wrapped methods.
 require(_orig_execute_model, "scheduler_output", "dummy_run")
 require(ExecuteModelState, "input_batch", "aux_hidden_states")
 require(InputBatch, "req_ids", "num_reqs", "query_start_loc_np", "positions")

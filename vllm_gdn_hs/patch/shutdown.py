@@ -130,8 +130,7 @@ def _on_signal(self, side) -> None:
 
 
 def _send_abort_outputs_to_client(self, req_ids: list[str], client_index: int) -> None:
-    side = _ours(self)
-    if side is None:
+    if (side := _ours(self)) is None:
         return _orig_send_abort(self, req_ids, client_index)
     outputs = [  # vLLM's abort output, with the response's kv_transfer_params
         EngineCoreOutput(

@@ -1,11 +1,6 @@
-"""The interface of a storage backend, both its halves.
-
-The scheduler side names each request's place (a file's path, an object's key) and makes its
-response's ``kv_transfer_params``. The worker side reserves the place when the request is first
-scheduled (:meth:`~HiddenStatesStorage.start`), stores it once it finished (``write``, from a
-write thread) or gives it up (``abandon``: aborted, failed or too late; also while a write of
-it runs, and more than once), and closes at shutdown (``begin_close``, then ``close``).
-"""
+"""The interface of a storage backend. The scheduler side names each request's place (a file's path,
+an object's key) and answers with it; the worker side reserves it, then stores the rows there (from
+a write thread) or gives it up (``abandon``: also while a write of it runs, and more than once)."""
 
 from __future__ import annotations
 
@@ -49,7 +44,6 @@ class StoredRequest:
     mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def begin_write(self) -> None:
-        """open -> writing; RuntimeError if the place was given up meanwhile."""
         with self.mutex:
             if self.state != "open":
                 raise RuntimeError(f"its place was given up ({self.state})")
@@ -88,9 +82,9 @@ class HiddenStatesStorage(ABC):
     def open_worker_side(self) -> None:  # noqa: B027 - optional
         """Connect before the first request (raise to refuse the startup)."""
 
-    @abstractmethod
     def start(self, req_id: str, place: str) -> StoredRequest:
         """Reserve the request's place; raises if it cannot (that request alone loses out)."""
+        return StoredRequest(req_id, place)
 
     @abstractmethod
     def write(

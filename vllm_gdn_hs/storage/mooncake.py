@@ -54,7 +54,6 @@ class MooncakeStorage(HiddenStatesStorage):
         self.shape = RowShape([])
         self.store: MooncakeStore | None = None
 
-    # -- scheduler side ---------------------------------------------------------------
     def open_scheduler_side(self, shape: RowShape) -> None:
         self.shape = shape
         logger.info(
@@ -82,18 +81,13 @@ class MooncakeStorage(HiddenStatesStorage):
             fp8=self.cfg.fp8,
         )  # fmt: skip
 
-    # -- worker side ------------------------------------------------------------------
     def open_worker_side(self) -> None:
-        """Connect to the store here, so that a wrong master fails the startup."""
         self.store = MooncakeStore(self.options)
 
     def _client(self) -> MooncakeStore:
         if self.store is None:
             raise RuntimeError("the Mooncake storage's worker side is not open")
         return self.store
-
-    def start(self, req_id: str, place: str) -> StoredRequest:
-        return StoredRequest(req_id, place)
 
     def write(
         self,

@@ -47,12 +47,10 @@ def manifest(
     it in ``request_finished``), with its ``packed_layout``. ``fp8``: ``hidden_states`` in
     float8_e4m3fn and one fp32 scale per token (``hidden_states_scales`` [T, 1, 1]), the fp8
     file's tensors (``dtype`` is then ignored)."""
-    layout = {"hidden_states": ([num_tokens, num_layers, hidden], dtype)}
+    rows_dtype = torch.float8_e4m3fn if fp8 else dtype
+    layout = {"hidden_states": ([num_tokens, num_layers, hidden], rows_dtype)}
     if fp8:
-        layout = {
-            "hidden_states": ([num_tokens, num_layers, hidden], torch.float8_e4m3fn),
-            SCALES_KEY: ([num_tokens, 1, 1], torch.float32),
-        }
+        layout[SCALES_KEY] = ([num_tokens, 1, 1], torch.float32)
     tensors, total = packed_layout({**layout, "token_ids": ([num_tokens], torch.int64)})
     return {
         "handle": key,
@@ -71,8 +69,7 @@ class MooncakeError(RuntimeError):
 
 
 class MooncakeStore:
-    """This server's Mooncake client: puts objects, error objects, and removes at shutdown
-    what it put and no reader took. ``write`` runs on the connector's write threads."""
+    """This server's Mooncake client; ``write`` runs on the connector's write threads."""
 
     def __init__(self, options: MooncakeOptions, *, error_retry_s=300.0, close_grace_s=30.0):
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -119,7 +116,6 @@ class MooncakeStore:
             options.global_segment_size / 2**30,
         )
 
-    # -- the object --------------------------------------------------------------------
     def write(
         self,
         key: str,
@@ -127,8 +123,7 @@ class MooncakeStore:
         token_ids: torch.Tensor,
         scales: torch.Tensor | None = None,
     ) -> None:
-        """Put one request's object, waiting while the store is full; MooncakeError else.
-        ``scales``: fp8 rows' [T, 1, 1] fp32 scales."""
+        """Put one request's object, waiting while the store is full; MooncakeError else."""
         hidden_states = hidden_states.contiguous()
         n, num_layers, hidden = hidden_states.shape
         fp8 = scales is not None
@@ -220,10 +215,8 @@ class MooncakeStore:
         )
 
     def unread(self) -> list[str]:
-        """The keys this server put that are still in the store (readers delete theirs)."""
         return self.unread_objects.unread()
 
-    # -- the error object ----------------------------------------------------------------
     def write_error(self, key: str, why: str) -> None:
         """Put ``key:error`` (``{"error": why}``), so its reader fails at once: queued, and
         retried for ``error_retry_s`` (through a master restart)."""
@@ -231,15 +224,13 @@ class MooncakeStore:
 
     def _error_loop(self) -> None:
         while True:
-            item = self.errors.get()
-            if item is None:
+            if (item := self.errors.get()) is None:
                 return
             key, why, deadline = item
             data = json.dumps({"error": why[:4096]}).encode()
+            copy = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             while True:
-                self.unread_objects.keep(
-                    key, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]
-                )
+                self.unread_objects.keep(key, [copy])
                 try:
                     rc = self.client.put(key, data, self.pin)
                 except Exception as e:  # never let this thread die
@@ -263,7 +254,6 @@ class MooncakeStore:
                     break
                 time.sleep(0.5)
 
-    # -- shutdown ------------------------------------------------------------------------
     def begin_close(self) -> None:
         """Writers still waiting for room give up ``close_grace_s`` from now."""
         if self.closing_at is None:

@@ -5,6 +5,7 @@ from :mod:`.mooncake`, so that the launcher checks them without torch or vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -81,13 +82,11 @@ def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
         ) from None
 
 
-def advertise_address(local_hostname: str | None) -> str | None:
+def advertise_address(local_hostname: str | None) -> None:
     """Have Mooncake's TCP transport advertise ``local_hostname``, an IP address, not its first
-    interface's (``MC_TCP_BIND_ADDRESS``, unless set); the address in effect, or None."""
-    if not os.environ.get("MC_TCP_BIND_ADDRESS") and local_hostname:
-        try:
-            ipaddress.ip_address(local_hostname.strip("[]"))
-        except ValueError:
-            return None
+    interface's (``MC_TCP_BIND_ADDRESS``, unless set)."""
+    if os.environ.get("MC_TCP_BIND_ADDRESS") or not local_hostname:
+        return
+    with contextlib.suppress(ValueError):  # a host name: Mooncake's own choice
+        ipaddress.ip_address(local_hostname.strip("[]"))
         os.environ["MC_TCP_BIND_ADDRESS"] = local_hostname.strip("[]")
-    return os.environ.get("MC_TCP_BIND_ADDRESS")
