@@ -43,6 +43,7 @@ from logparse import (
     error_summary,
     gdn_backend_info,
     kv_cache_info,
+    memory_info,
     strip_ansi,
     warmup_info,
     writer_info,
@@ -348,7 +349,7 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
                 VLLM_PLUGINS=plan.env.get("VLLM_PLUGINS"),
             ),
             **(kv_cache_info(log) if variant != "hf" else {}),
-            **(warmup_info(log) if variant != "hf" else {}),
+            **(warmup_info(log) | memory_info(log) if variant != "hf" else {}),
             **(writer_info(log) if variant in OURS else {}),
         )
         if variant != "hf":

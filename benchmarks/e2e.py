@@ -28,7 +28,7 @@ import urllib.request
 from datetime import datetime, timezone
 
 from host import git_commit, nvidia_smi, versions
-from logparse import gdn_backend_info, kv_cache_info, strip_ansi, warmup_info
+from logparse import gdn_backend_info, kv_cache_info, memory_info, strip_ansi, warmup_info
 from records import merge_results
 from workloads import (
     DEFAULT_LAYERS,
@@ -219,6 +219,7 @@ def record_fields(args, backend: str, log: str) -> dict:
         serve_flags=flags,
         **kv_cache_info(log),
         **warmup_info(log),
+        **memory_info(log),
     )
 
 

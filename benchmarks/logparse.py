@@ -15,6 +15,11 @@ WARMUP_RE = re.compile(
     r"([-\d.,]+) GiB kept for transient activations \(([-\d.,]+) GiB allocated at peak, "
     r"([-\d.,]+) GiB of torch reservation growth\); (\d+) KV cache blocks"
 )
+# The worker's memory accounting (vllm/v1/worker/gpu_worker.py, gpu/model_runner.py): "Actual
+# usage is W GiB for consumed memory (weights + non-torch), P GiB for peak activation, and G GiB
+# for CUDAGraph memory" and "Graph capturing finished in S secs, took G GiB".
+USAGE_RE = re.compile(r"([\d.]+) GiB for peak activation, and ([\d.]+) GiB for CUDAGraph memory")
+CAPTURE_RE = re.compile(r"Graph capturing finished in (\d+) secs, took ([-\d.]+) GiB")
 # "Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128)." (qwen_gdn_linear_attn)
 GDN_RE = re.compile(r"Using (.+?) GDN prefill kernel \((?:requested=([^,)]+))?")
 GDN_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": "triton"}
@@ -60,6 +65,17 @@ def warmup_info(log: str) -> dict:
         warmup_torch_growth_gib=gib[4],
         kv_cache_blocks=int(blocks),
     )
+
+
+def memory_info(log: str) -> dict:
+    """vLLM's own memory lines (the last of each), in GiB: the peak activation its profiling
+    measured and what CUDA-graph capture took."""
+    out: dict = {}
+    if usage := USAGE_RE.findall(log):
+        out["peak_activation_gib"], out["cudagraph_gib"] = map(float, usage[-1])
+    if capture := CAPTURE_RE.findall(log):
+        out["capture_s"], out["capture_gib"] = int(capture[-1][0]), float(capture[-1][1])
+    return out
 
 
 def gdn_backend_info(log: str) -> dict:

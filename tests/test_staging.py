@@ -88,17 +88,21 @@ def test_a_step_the_ring_cannot_hold_is_refused():
         r.take(0)
 
 
-def test_a_layer_major_slot_is_filled_one_layer_at_a_time():
-    """``fill_layer`` puts each layer's rows into its column of the [tokens, L, H] view the
-    drain reads; ``finish`` adds the norms and positions. On CPU the copies are plain ones
-    (on the GPU they run on the ring's side stream) and there is no ``copied`` event."""
+def test_a_slot_is_filled_one_layer_at_a_time():
+    """``fill_layer`` puts each layer's rows into its column of the slot's [tokens, L, H] rows
+    the drain reads, leaving the other columns and the ring's other rows alone; ``finish`` adds
+    the norms and positions. On CPU the copies are plain ones (on the GPU one strided DMA a
+    layer, on the ring's side stream) and there is no ``copied`` event."""
     r = ring()
-    slot, _ = r.take(3, layer_major=True)
+    r.hidden_states.fill_(-1)
+    slot, _ = r.take(3)
     layers = [torch.full((3, H), float(j + 1), dtype=torch.bfloat16) for j in range(L)]
     for j, rows in enumerate(layers):
         slot.fill_layer(j, rows)
     norms, positions = torch.rand(3, L), torch.arange(3)
     slot.finish(norms, positions)
     assert torch.equal(slot.hidden_states, torch.stack(layers, dim=1))
+    assert slot.hidden_states.is_contiguous()  # token-major: each request's rows in one block
+    assert (r.hidden_states[3:] == -1).all()
     assert torch.equal(slot.norms, norms) and torch.equal(slot.positions, positions)
     assert slot.copied is None

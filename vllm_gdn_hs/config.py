@@ -41,10 +41,11 @@ class HiddenStatesConfig(BaseModel):
         "(hidden_states_scales [T, 1, 1]), quantized on the GPU: speculators' fp8 backend",
     )
     layer_by_layer: bool = Field(
-        False,
+        True,
         description="in steps that run eager, copy each layer's rows out of the GPU as the "
-        "model makes them, so a step's aux states are never all alive on it (warm-up peak, "
-        "KV cache); bf16 files only; not yet run on a GPU, hence off by default",
+        "model makes them, so a step's aux states are never all alive on it (the warm-up peak "
+        "stays plain vLLM's, and so does the KV cache); bf16 files on Model Runner V2 (fp8 "
+        "and V1 stack a step's rows after its forward pass)",
     )
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"

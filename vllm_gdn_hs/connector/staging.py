@@ -3,8 +3,9 @@
 The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of ``CHUNK_TOKENS``
 (:func:`rows_and_norms`), so its temporaries are small and inside the memory vLLM profiled; the
 side stream only copies (:func:`_side_copy`). A slot is free again once the drain thread has
-filed its rows. A step that runs eager takes a layer-major slot before its forward pass, each
-layer's rows leaving as the model makes them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`).
+filed its rows. A step that runs eager takes its slot before its forward pass, each layer's rows
+leaving for their column as the model makes them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`):
+one strided DMA per layer (``cudaMemcpy2DAsync``), so the drain reads every slot token-major.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ class HostSlot:
     norms: torch.Tensor  # [tokens, L] float32; with fp8 [tokens, L + 1]: + each row's scale
     positions: torch.Tensor  # [tokens] int64
     copied: torch.cuda.Event | None  # None on CPU
-    layers: torch.Tensor | None = None  # layer-major slots: the same rows as [L, tokens, H]
     released: bool = False
 
     @property
@@ -60,14 +60,13 @@ class HostSlot:
         self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
-        """Start copying one layer's rows [tokens, H] into a layer-major slot (the caller may
-        drop them at once: see :func:`_side_copy`)."""
-        assert self.layers is not None, "a slot taken layer-major"
-        _side_copy(self.ring.stream, [(self.layers[column], rows)])
+        """Start copying one layer's rows [tokens, H] into their column of the slot (the caller
+        may drop them at once: see :func:`_side_copy`)."""
+        _side_copy(self.ring.stream, [(self.hidden_states[:, column], rows)])
 
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
-        """The norms and positions of a layer-major slot, after its layers, on the same side
-        stream; ``copied`` then marks all of the slot's copies done."""
+        """The norms and positions of a slot filled a layer at a time, after its layers, on the
+        same side stream; ``copied`` then marks all of the slot's copies done."""
         pairs = [(self.norms, norms), (self.positions, positions)]
         _side_copy(self.ring.stream, pairs, self.copied)
 
@@ -83,12 +82,37 @@ def _side_copy(stream, pairs, done=None, keep=()) -> None:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for dst, src in pairs:
-            dst.copy_(src, non_blocking=True)
+            if dst.is_contiguous():
+                dst.copy_(src, non_blocking=True)
+            else:
+                _copy_rows_2d(dst, src.contiguous(), stream)
         if done is not None:
             done.record(stream)
     for t in (*(src for _, src in pairs), *keep):
         if t.is_cuda:
             t.record_stream(stream)
+
+
+def _copy_rows_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+    """One DMA of contiguous GPU rows [T, H] into pinned host rows [T, H] a row stride apart
+    (a layer's column of a slot). torch would stage such a copy through pageable memory and
+    wait for it."""
+    from cuda.bindings import runtime
+
+    assert dst.dim() == 2 and dst.stride(1) == 1 and dst.shape == src.shape, (dst, src)
+    item = src.element_size()
+    (err,) = runtime.cudaMemcpy2DAsync(
+        dst.data_ptr(),
+        dst.stride(0) * item,
+        src.data_ptr(),
+        src.shape[1] * item,
+        src.shape[1] * item,
+        src.shape[0],
+        runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+        stream.cuda_stream,
+    )
+    if err != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMemcpy2DAsync of {tuple(src.shape)} rows: {err.name}")
 
 
 class HostRing:
@@ -119,10 +143,8 @@ class HostRing:
             return 0 if tail >= num_tokens else None
         return head if tail - head >= num_tokens else None  # wrapped: free is [head, tail)
 
-    def take(self, num_tokens: int, layer_major: bool = False) -> tuple[HostSlot, float]:
-        """Rows for one step, and the seconds waited (the drain is behind). A ``layer_major``
-        slot keeps them as [L, tokens, H] (a D2H copy into a strided view would go through
-        pageable memory); its ``hidden_states`` is their [tokens, L, H] view."""
+    def take(self, num_tokens: int) -> tuple[HostSlot, float]:
+        """Rows for one step, and the seconds waited (the drain is behind)."""
         if not 0 < num_tokens <= self.capacity:
             raise ValueError(f"a step of {num_tokens} rows in a ring of {self.capacity}")
         with self.room:
@@ -131,12 +153,10 @@ class HostRing:
                 self.wait_for_room()
                 waited = time.monotonic() - began
             span = slice(start, start + num_tokens)
-            rows, layers = self.hidden_states[span], None
-            if layer_major:
-                layers = rows.view(-1).view(rows.shape[1], num_tokens, rows.shape[2])
-                rows = layers.permute(1, 0, 2)
             done = torch.cuda.Event() if self.stream is not None else None
-            slot = HostSlot(self, start, rows, self.norms[span], self.positions[span], done, layers)
+            slot = HostSlot(
+                self, start, self.hidden_states[span], self.norms[span], self.positions[span], done
+            )
             self.live.append(slot)
         return slot, waited
 

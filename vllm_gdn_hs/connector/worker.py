@@ -72,9 +72,9 @@ class HybridHiddenStatesConnectorWorker:
         self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
 
     def take(self, num_tokens: int):
-        """A layer-major slot, which the runner fills a layer at a time during the forward pass."""
+        """A slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
-        slot, waited = self.ring.take(num_tokens, layer_major=True)
+        slot, waited = self.ring.take(num_tokens)
         self._taken = (waited, t0)
         return slot
 
