@@ -20,6 +20,8 @@ WARMUP_RE = re.compile(
 # for CUDAGraph memory" and "Graph capturing finished in S secs, took G GiB".
 USAGE_RE = re.compile(r"([\d.]+) GiB for peak activation, and ([\d.]+) GiB for CUDAGraph memory")
 CAPTURE_RE = re.compile(r"Graph capturing finished in (\d+) secs, took ([-\d.]+) GiB")
+# "Extended KV cache to N blocks (X GiB)." (vllm/v1/worker/extensible_kv_cache.py)
+EXTENDED_RE = re.compile(r"Extended KV cache to (\d+) blocks \(([\d.]+) GiB\)")
 # "Using FlashInfer GDN prefill kernel (requested=auto, head_k_dim=128)." (qwen_gdn_linear_attn)
 GDN_RE = re.compile(r"Using (.+?) GDN prefill kernel \((?:requested=([^,)]+))?")
 GDN_NAMES = {"FlashInfer": "flashinfer", "CuteDSL": "cutedsl", "Triton/FLA": "triton"}
@@ -69,12 +71,15 @@ def warmup_info(log: str) -> dict:
 
 def memory_info(log: str) -> dict:
     """vLLM's own memory lines (the last of each), in GiB: the peak activation its profiling
-    measured and what CUDA-graph capture took."""
+    measured, what CUDA-graph capture took, and one KV cache block's size."""
     out: dict = {}
     if usage := USAGE_RE.findall(log):
         out["peak_activation_gib"], out["cudagraph_gib"] = map(float, usage[-1])
     if capture := CAPTURE_RE.findall(log):
         out["capture_s"], out["capture_gib"] = int(capture[-1][0]), float(capture[-1][1])
+    if extended := EXTENDED_RE.findall(log):
+        blocks, gib = int(extended[-1][0]), float(extended[-1][1])
+        out["kv_block_gib"] = round(gib / blocks, 5) if blocks else None
     return out
 
 

@@ -16,9 +16,12 @@ REFERENCE_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")
 
 # Text-model shapes. "27b" is the published Qwen3.6-27B config; "4b" halves hidden size, layers
 # and every head count (head dims unchanged): about 3.0B non-embedding + 1.3B embedding params,
-# not a released checkpoint. "tiny" is a smoke test. Full attention is every 4th layer.
+# not a released checkpoint. "27b-8" is the 27B shape cut to 8 layers (two of them attention):
+# the same widths, so the same per-token memory of aux states and activations, in a minute.
+# "tiny" is a smoke test. Full attention is every 4th layer.
 SHAPES = {
     "27b": {},
+    "27b-8": dict(num_hidden_layers=8),
     "4b": dict(
         hidden_size=2560,
         num_hidden_layers=32,

@@ -294,3 +294,25 @@ def test_bench_records_name_backend_settings_and_warmup_peak(tmp_path, monkeypat
         "gdn_prefill_backend": "triton"
     }
     assert "additional_config" not in bench.worker.engine_kwargs(default[0]["flags"]["spec"])
+
+
+# vLLM 0.34.0's own lines, from the engine log of the 27B shape with CUDA graphs (H200,
+# 2026-12-04, benchmarks/results run 39)
+VLLM_MEMORY_LINES = """\
+(EngineCore pid=6117) INFO 12-04 20:10:42 [model_runner.py:1216] Graph capturing finished in 14 secs, took 1.66 GiB
+(EngineCore pid=6117) INFO 12-04 20:10:42 [gpu_worker.py:1175] Free memory on device (139.1/139.8 GiB) on startup. Desired GPU memory utilization is (1.0, 139.8 GiB). Actual usage is 51.36 GiB for consumed memory (weights + non-torch), 2.88 GiB for peak activation, and 1.66 GiB for CUDAGraph memory
+(EngineCore pid=6117) INFO 12-04 20:10:44 [extensible_kv_cache.py:536] Extended KV cache to 1552 blocks (78.81 GiB).
+"""  # noqa: E501
+
+
+def test_memory_lines_of_a_real_engine_log():
+    """vLLM's own accounting lines: the peak activation, the CUDA-graph memory and one KV
+    cache block's size."""
+    assert logparse.memory_info(VLLM_MEMORY_LINES) == {
+        "peak_activation_gib": 2.88,
+        "cudagraph_gib": 1.66,
+        "capture_s": 14,
+        "capture_gib": 1.66,
+        "kv_block_gib": round(78.81 / 1552, 5),
+    }
+    assert logparse.memory_info("no memory lines") == {}

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The default path on one GPU, as a user gets it, in priority order; each step writes its
+# records under $SESSION/results as it ends, so a lease cut short keeps what finished:
+#   1 bench     the 27B shape (dummy weights), vLLM's default GDN kernels, CUDA graphs, the
+#               extensible KV cache, max_num_seqs 256, prefix caching off: plain vLLM, then ours
+#               with its defaults, on 128x1024 and chat -> bench.json (KV blocks, vLLM's peak
+#               activation and CUDA-graph lines, throughput)                       (~6 min)
+#   2 accuracy  the tiny hybrid held to HF, eager and CUDA graphs, the default hand-over
+#               (tests/gpu/test_gpu_extract.py)                                     (~2 min)
+#   3 shutdown  SIGTERM, and SIGTERM then SIGINT, with 64 requests in flight, through the
+#               launcher and through plain `vllm serve` (tests/gpu/test_gpu_shutdown.py) (~7 min)
+#   4 families  every model family against HF (tests/gpu/test_gpu_families.py, where present)
+#   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat -> e2e.json
+#   6 memory    CUDA-graph memory and peak within one block of plain's (tests/gpu/test_gpu_memory.py)
+# Usage (the device call that installs vLLM; see tools/device/session.sh):
+#   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
+#   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
+set -u
+cd "$(dirname "$0")/../.."
+SESSION=${SESSION:-/tmp/device-session}
+R=$SESSION/results
+mkdir -p "$R/logs"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+export VLLM_GDN_HS_COMMIT=$(cat commit.txt 2>/dev/null || git rev-parse --short HEAD)
+export VLLM_GDN_HS_RESULTS_DIR=$R
+log() { echo "[check] $(date -u +%H:%M:%S) $*"; }
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site --upgrade . \
+    >"$R/logs/install.log" 2>&1 || log "install failed: see $R/logs/install.log"
+log "commit $VLLM_GDN_HS_COMMIT, $(nvidia-smi --query-gpu=name --format=csv,noheader)"
+suite() {  # a name, a time limit, then pytest node ids
+    local name=$1 limit=$2
+    shift 2
+    log "$name start"
+    SITE=/tmp/site INSTALL=0 RUN_DEMO=0 SUITE_TIMEOUT=$limit OUT="$R/$name" \
+        bash tools/gpu_runs/run_gpu_suite.sh "$@" >"$R/logs/$name.txt" 2>&1
+    log "$name end: $(grep -E "^pytest exit" "$R/$name/env.txt" 2>/dev/null)"
+}
+for step in ${STEPS:-1 2 3 4 5 6}; do
+    case $step in
+    1)
+        log "bench start"
+        python3 benchmarks/bench.py --shape 27b --variants plain,ours --workloads 128x1024,chat \
+            --gpu-memory-utilization 0 --max-num-seqs 256 --run default-path --timeout 600 \
+            --out-dir /dev/shm/hs-check --log-dir "$R/logs" --model-root /tmp/m27 \
+            --results "$R/bench.json" >"$R/logs/bench.txt" 2>&1
+        log "bench end rc=$?"
+        ;;
+    2) suite accuracy 300 "tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer" \
+        tests/gpu/test_gpu_extract.py::test_hybrid_cudagraph ;;
+    3) suite shutdown 600 \
+        tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason ;;
+    4) [ -f tests/gpu/test_gpu_families.py ] && suite families 420 tests/gpu/test_gpu_families.py ;;
+    5)
+        log "e2e start"
+        python3 benchmarks/e2e.py --shape 27b --backends plain,file --workload chat \
+            --run default-path --out-dir /dev/shm/e2e-check --log-dir "$R/logs" \
+            --model-root /tmp/m27 --results "$R/e2e.json" -- --max-num-seqs 256 \
+            >"$R/logs/e2e.txt" 2>&1
+        log "e2e end rc=$?"
+        ;;
+    6) suite memory 420 tests/gpu/test_gpu_memory.py ;;
+    esac
+done
+log "done"
