@@ -266,7 +266,10 @@ def test_sigterm_with_requests_running_answers_each_with_file_or_reason(
         sig_thread.start()
         with ThreadPoolExecutor(IN_FLIGHT + 8) as pool:
             list(pool.map(one, range(IN_FLIGHT + 8)))
-        rc = proc.wait(window + 10 + 30)
+        try:
+            rc = proc.wait(window + 10 + 30)
+        except subprocess.TimeoutExpired:
+            rc = None  # still running: killed below, and the case fails on its exit time
         exited = time.monotonic()
     finally:
         if proc.poll() is None:
@@ -275,33 +278,47 @@ def test_sigterm_with_requests_running_answers_each_with_file_or_reason(
     text = log_path.read_text(errors="replace")
     exit_s = exited - signalled["t"]
     kinds = {"file": 0, "hidden_states_error": 0, "503": 0, "refused_after_exit": 0}
+    problems = []  # each one a reason this case fails; the record keeps them and the log's tail
     for i, a in sorted(answers.items()):
         if a.get("status") == 200:
             kv = a["kv"]
-            assert ("hidden_states_path" in kv) != ("hidden_states_error" in kv), (i, kv)
-            if "hidden_states_path" in kv:
+            if ("hidden_states_path" in kv) == ("hidden_states_error" in kv):
+                problems.append(f"request {i}: kv_transfer_params {kv}")
+            elif "hidden_states_path" in kv:
                 path = kv["hidden_states_path"]
                 seq = prompts[i] + a["outputs"][:-1]
-                assert load_file(path)["token_ids"].tolist() == seq, path
-                assert not files.lock_held(path + files.LOCK_SUFFIX)
+                try:
+                    if load_file(path)["token_ids"].tolist() != seq:
+                        problems.append(f"request {i}: {path} holds other token ids")
+                except Exception as e:
+                    problems.append(f"request {i}: {path}: {e}")
+                if files.lock_held(path + files.LOCK_SUFFIX):
+                    problems.append(f"request {i}: {path} still locked")
                 kinds["file"] += 1
             else:
                 kinds["hidden_states_error"] += 1
         elif a.get("status") == 503 and i >= IN_FLIGHT:
             kinds["503"] += 1
-        else:  # a client that never got an answer: only a late one, after the server left
-            assert i >= IN_FLIGHT and "timed out" not in a.get("error", ""), (i, a)
-            kinds["refused_after_exit"] += 1
+        elif i >= IN_FLIGHT and "timed out" not in a.get("error", ""):
+            kinds["refused_after_exit"] += 1  # a late one, after the server left
+        else:  # in flight at the signal and never answered, or a client left hanging
+            problems.append(f"request {i} ({'in flight' if i < IN_FLIGHT else 'late'}): {a}")
     check = subprocess.run(
         [sys.executable, "-m", "vllm_gdn_hs.cli", "check", str(storage)],
         capture_output=True,
         text=True,
     )
+    if rc is None or exit_s > window + 10:
+        problems.append(f"still running {exit_s:.1f} s after the signal, window {window} s")
+    if check.returncode != 0:
+        problems.append(f"check exit {check.returncode}: {(check.stdout + check.stderr)[-1500:]}")
+    if kinds["file"] < 1:
+        problems.append("no answered file")
+    if "draining:" not in text:
+        problems.append("no 'draining:' line in the server log")
     name = f"{how}-{'sigterm-sigint' if second else 'sigterm'}"
     _save(name, dict(case=name, rc=rc, exit_s=round(exit_s, 1), window_s=window, answers=kinds,
-                     check_rc=check.returncode, shut_down=re.findall(
+                     check_rc=check.returncode, problems=problems[:20],
+                     log_tail=text[-6000:] if problems else None, shut_down=re.findall(
                          r"HybridHiddenStatesConnector: (shut down; .*)", text)))  # fmt: skip
-    assert exit_s <= window + 10, (exit_s, text[-4000:])
-    assert check.returncode == 0, check.stdout + check.stderr
-    assert kinds["file"] >= 1, (kinds, text[-4000:])
-    assert "draining:" in text, text[-4000:]
+    assert not problems, "\n".join(problems[:20]) + "\n" + text[-4000:]
