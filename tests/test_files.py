@@ -140,3 +140,31 @@ def test_read_header_opens_regular_files_only(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="not a regular file"):
         files.read_header(fifo)  # returns at once: never blocks on the FIFO
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_written_files_are_the_bytes_safetensors_writes(tmp_path, fp8):
+    """``write_file`` writes each tensor from its memory (no bytes copy under the GIL), yet the
+    file is byte for byte what safetensors' own ``save_file`` writes, and its reader (as
+    speculators reads) gets the tensors back; a non-contiguous tensor is written as its values."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(7, 4, 3, generator=g).to(torch.bfloat16).transpose(0, 1).contiguous()
+    hs = hs.transpose(0, 1)  # [7, 4, 3], not contiguous
+    scales = torch.rand(7, 1, 1, generator=g) if fp8 else None
+    if fp8:
+        hs = hs.to(torch.float8_e4m3fn)
+    ids = torch.arange(7, dtype=torch.int64)
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    files.write_file(str(ours), hs, ids, scales)
+    expected = {"hidden_states": hs.contiguous(), "token_ids": ids}
+    if fp8:
+        expected[files.SCALES] = scales
+    save_file(expected, str(theirs))
+    assert ours.read_bytes() == theirs.read_bytes()
+    got = load_file(str(ours))
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

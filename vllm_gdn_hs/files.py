@@ -205,28 +205,66 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 
 # -- the write ---------------------------------------------------------------------------
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
-    """Write atomically (a temp file, then rename), with the umask's mode (safetensors' own temp
-    file is 0600), making a missing folder again. ``scales`` [T, 1, 1]: an fp8 file."""
-    from safetensors.torch import save_file
-
+    """Write atomically (a temp file, then rename), with the umask's mode, making a missing folder
+    again. ``scales`` [T, 1, 1]: an fp8 file. The bytes are safetensors' own layout (what its
+    ``save_file`` writes), each tensor written from its memory: no copy, and the GIL released
+    while the bytes go out (safetensors' writer copies every tensor into a Python bytes object
+    first, holding the GIL the engine thread shares)."""
     tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
     if scales is not None:
         tensors[SCALES] = scales
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    header, order = safetensors_header(tensors)
     try:
-        try:
-            save_file(tensors, tmp)
-        except Exception:  # safetensors raises its own error type for I/O errors
-            if os.path.isdir(os.path.dirname(path)):
-                raise
+        if not os.path.isdir(os.path.dirname(path)):
             make_folder_again(os.path.dirname(path))
-            save_file(tensors, tmp)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for t in order:
+                f.write(_raw_bytes(t))
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+_SAFETENSORS_DTYPES = {
+    "torch.bfloat16": "BF16",
+    "torch.float16": "F16",
+    "torch.float32": "F32",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+}
+
+
+def safetensors_header(tensors: dict) -> tuple[bytes, list]:
+    """The header bytes of a safetensors file holding ``tensors`` (CPU torch tensors), and the
+    tensors in the order their data follows: by alignment, then name, as safetensors orders
+    them."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    meta, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        dtype = _SAFETENSORS_DTYPES[str(t.dtype)]
+        meta[name] = dict(dtype=dtype, shape=list(t.shape), data_offsets=[offset, offset + size])
+        offset += size
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, [tensors[k] for k in order]
+
+
+def _raw_bytes(t) -> memoryview:
+    """A CPU tensor's bytes, without a copy where it is contiguous."""
+    import torch
+
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 # -- the header --------------------------------------------------------------------------
