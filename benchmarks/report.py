@@ -372,6 +372,40 @@ def splice_readme(path: str, text: str) -> None:
         f.write(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
 
 
+MEMORY_COLUMNS = (
+    ("peak activation", "peak_activation_gib"),
+    ("CUDA-graph memory", "cudagraph_gib"),
+    ("kept for transient activations", "warmup_transient_kept_gib"),
+)
+
+
+def memory_table(records: list[dict]) -> str:
+    """vLLM's own memory accounting per variant of one run (one row per variant, its last
+    record): GiB from its log lines, its KV cache blocks and tokens, and each figure against
+    the plain record of the same run (bench.py --run) in KV cache blocks."""
+    last = {}
+    for r in records:
+        if r.get("kv_cache_blocks") is not None:
+            last[(r.get("run"), r.get("gpu"), r.get("variant"))] = r
+    head = ["run", "GPU", "variant", *(c for c, _ in MEMORY_COLUMNS), "KV blocks", "KV tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * 3 + " ---: |" * (len(head) - 3)]
+    for (run, gpu, variant), r in sorted(last.items(), key=lambda kv: str(kv[0])):
+        plain = last.get((run, gpu, "plain"))
+        block = (plain or r).get("kv_block_gib")
+        cells = [str(run), str(gpu), str(variant)]
+        for _, key in MEMORY_COLUMNS:
+            cell = fmt(r.get(key), ".2f")
+            if plain is not None and r is not plain and block and r.get(key) is not None:
+                cell += f" ({(r[key] - plain[key]) / block:+.1f} blocks)"
+            cells.append(cell)
+        blocks = str(r["kv_cache_blocks"])
+        if plain is not None and r is not plain:
+            blocks += f" ({r['kv_cache_blocks'] / plain['kv_cache_blocks']:.1%})"
+        cells += [blocks, fmt(r.get("kv_cache_tokens"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -385,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--md", help="write the Markdown here (default: print it)")
     p.add_argument("--png", help="write the plot here (needs matplotlib)")
     p.add_argument(
+        "--memory", action="store_true", help="print vLLM's memory accounting per variant instead"
+    )
+    p.add_argument(
         "--readme",
         nargs="?",
         const=README,
@@ -395,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme and args.readme.endswith(".json"):
         p.error(f"--readme {args.readme}: give the results files before --readme")
     records = load(args.results)
+    if args.memory:
+        print(memory_table(records))
+        return 0
     rows = select(records)
     if not rows:
         p.error("no records in " + ", ".join(args.results))

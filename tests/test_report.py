@@ -158,3 +158,23 @@ def test_a_ratio_never_crosses_runs(records):
     ours_tri = {**tri, "variant": "ours"}
     assert report.plain_for(ours_tri, [plain, tri, ours, ours_tri]) is tri
     assert report.plain_for(ours, [plain, tri, ours, ours_tri]) is plain
+
+
+def test_memory_table_counts_each_figure_in_kv_blocks_against_plain_of_its_run():
+    """vLLM's memory lines per variant, each against the plain record of the same run and GPU,
+    in KV cache blocks (the figures of the 2026-12 H100 check at 27B shape)."""
+    common = dict(run="r", gpu="H100", kv_block_gib=0.05)
+    records = [
+        dict(common, variant="plain", peak_activation_gib=2.10, cudagraph_gib=1.33,
+             warmup_transient_kept_gib=3.24, kv_cache_blocks=422, kv_cache_tokens=298916),
+        dict(common, variant="ours", peak_activation_gib=2.88, cudagraph_gib=2.15,
+             warmup_transient_kept_gib=4.30, kv_cache_blocks=374, kv_cache_tokens=264916),
+        dict(common, variant="ours", run="other"),  # no memory lines: not a row
+    ]  # fmt: skip
+    lines = report.memory_table(records).splitlines()
+    assert len(lines) == 4
+    assert lines[2] == (
+        "| r | H100 | ours | 2.88 (+15.6 blocks) | 2.15 (+16.4 blocks) | 4.30 (+21.2 blocks) "
+        "| 374 (88.6%) | 264,916 |"
+    )
+    assert lines[3].startswith("| r | H100 | plain | 2.10 | 1.33 | 3.24 | 422 |")
