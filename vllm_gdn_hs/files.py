@@ -23,6 +23,8 @@ import struct
 import threading
 import time
 
+from vllm_gdn_hs import safetensors_io
+
 SUFFIX = ".safetensors"
 SCALES = "hidden_states_scales"  # fp8 files: one fp32 scale per token (hs-connectors' name)
 _LOGGER = "vllm.vllm_gdn_hs.files"  # inside vLLM's logger tree, as init_logger names ours
@@ -214,57 +216,17 @@ def write_file(path, hidden_states, token_ids, scales=None) -> None:
     if scales is not None:
         tensors[SCALES] = scales
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    header, order = safetensors_header(tensors)
     try:
         if not os.path.isdir(os.path.dirname(path)):
             make_folder_again(os.path.dirname(path))
         with open(tmp, "wb") as f:
-            f.write(header)
-            for t in order:
-                f.write(_raw_bytes(t))
+            safetensors_io.write(f, tensors)
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-
-
-_SAFETENSORS_DTYPES = {
-    "torch.bfloat16": "BF16",
-    "torch.float16": "F16",
-    "torch.float32": "F32",
-    "torch.float8_e4m3fn": "F8_E4M3",
-    "torch.int64": "I64",
-    "torch.int32": "I32",
-}
-
-
-def safetensors_header(tensors: dict) -> tuple[bytes, list]:
-    """The header bytes of a safetensors file holding ``tensors`` (CPU torch tensors), and the
-    tensors in the order their data follows: by alignment, then name, as safetensors orders
-    them."""
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    meta, offset = {}, 0
-    for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        dtype = _SAFETENSORS_DTYPES[str(t.dtype)]
-        meta[name] = dict(dtype=dtype, shape=list(t.shape), data_offsets=[offset, offset + size])
-        offset += size
-    text = json.dumps(meta, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, [tensors[k] for k in order]
-
-
-def _raw_bytes(t) -> memoryview:
-    """A CPU tensor's bytes, without a copy where it is contiguous."""
-    import torch
-
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 # -- the header --------------------------------------------------------------------------

@@ -115,6 +115,21 @@ def _copy_rows_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         raise RuntimeError(f"cudaMemcpy2DAsync of {tuple(src.shape)} rows: {err.name}")
 
 
+def strided_copy_works(device: torch.device) -> bool:
+    """Whether :func:`_copy_rows_2d` puts rows where they belong on ``device`` (checked once,
+    at startup, on a few rows: a step's layer copies must never fail in the forward pass)."""
+    try:
+        host = torch.zeros((3, 2, 4), dtype=torch.bfloat16, pin_memory=True)
+        rows = torch.arange(12, dtype=torch.bfloat16, device=device).view(3, 4)
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        _copy_rows_2d(host[:, 1], rows, stream)
+        stream.synchronize()
+        return bool(torch.equal(host[:, 1], rows.cpu()) and not host[:, 0].any())
+    except Exception:
+        return False
+
+
 class HostRing:
     """Pinned host rows for ``num_slots`` of the largest steps, handed out in order, each step
     taking only its rows (small steps go on while the drain files a large one). With ``fp8``:

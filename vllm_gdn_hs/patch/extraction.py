@@ -31,6 +31,7 @@ from typing import cast
 import torch
 
 from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.connector.staging import strided_copy_works
 from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
@@ -221,7 +222,17 @@ def install_sink(self) -> None:
         and cfg.layer_by_layer
         and not cfg.fp8
     ):
-        self.hidden_states_sink = LayerSink(self.hidden_states_order, hidden, dtype, self.device)
+        if self.device.type == "cuda" and not strided_copy_works(self.device):
+            init_logger(__name__).warning(
+                "%s: layer_by_layer is off: a strided copy out of the GPU "
+                "(cudaMemcpy2DAsync, cuda-bindings) failed its check here; eager steps stack "
+                "their rows after the forward pass, which raises vLLM's warm-up peak",
+                CONNECTOR_NAME,
+            )
+        else:
+            self.hidden_states_sink = LayerSink(
+                self.hidden_states_order, hidden, dtype, self.device
+            )
     sink = self.hidden_states_sink
     original = holder._maybe_add_hidden_state  # vLLM's, bound to the model
 
