@@ -114,12 +114,11 @@ def _init_dist(vllm_config: VllmConfig) -> None:
     global _dist_ready
     if _dist_ready:
         return
+    from vllm.config import ModelConfig
     from vllm.distributed.parallel_state import (
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
-
-    from vllm.config import ModelConfig
 
     # One parallel state a process, whatever model comes first: with an expert-parallel group
     # (of one rank), which vLLM makes only when the first model is a mixture of experts.

@@ -19,15 +19,15 @@ from vllm_gdn_hs.checkpoint import save_random_checkpoint, write_config
 from vllm_gdn_hs.demo import tiny_hybrid_config as hybrid_config_dict
 
 __all__ = [
-    "DEEP_HYBRID",
     "CPU_FAMILIES",
+    "DEEP_HYBRID",
     "FAMILIES",
-    "family_config_dict",
     "build_deep_hybrid",
     "build_model",
     "build_tiny_dense",
     "build_tiny_hybrid",
     "dense_config_dict",
+    "family_config_dict",
     "hybrid_config_dict",
     "write_config",
 ]
