@@ -2,7 +2,7 @@
 MoE blocks) served through ``LLM(...)`` with the connector, held to HF transformers.
 
 Run on a CUDA machine with the plugin installed (vLLM finds it by entry point), from the repo root:
-    VLLM_GDN_HS_RESULTS=tests/results/families.json pytest -m gpu tests/gpu/test_gpu_families.py -v -s
+    pytest -m gpu tests/gpu/test_gpu_families.py -v -s  (record: VLLM_GDN_HS_RESULTS)
 Each family's tiny model is built here (random weights, HF transformers' own class, nothing
 downloaded) and served twice: eager with chunked prefill (128-token steps) and with CUDA graphs;
 HMA on, layer ids 0 and N in an unsorted order, prompts of 1 to 300 tokens, include_output_tokens
