@@ -48,7 +48,12 @@ if not vllm_gdn_hs.plugin._registered:
         "and not excluded by VLLM_PLUGINS?"
     )
 
-from tiny_models import dense_config_dict, hybrid_config_dict, write_config  # noqa: E402
+from tiny_models import (  # noqa: E402
+    dense_config_dict,
+    family_config_dict,
+    hybrid_config_dict,
+    write_config,
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -94,6 +99,18 @@ def dense_model(tmp_path_factory) -> str:
     """Tiny Qwen3 (8 layers: speculators' default ids for 6 layers repeat one)."""
     path = str(tmp_path_factory.mktemp("models") / "dense")
     return write_config(path, dense_config_dict(num_hidden_layers=8))
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """``family_model(family)``: the config-only folder of a tiny model of tiny_models.FAMILIES."""
+    root = tmp_path_factory.mktemp("families")
+
+    def get(family: str) -> str:
+        path = root / family
+        return str(path) if path.exists() else write_config(str(path), family_config_dict(family))
+
+    return get
 
 
 def _run_python(code: str, *, plugins: bool, timeout: float = 300) -> subprocess.CompletedProcess:

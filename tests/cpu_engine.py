@@ -18,6 +18,7 @@ process's platform. Test code, not part of the package: used by the CPU tests an
 from __future__ import annotations
 
 import tempfile
+from unittest import mock
 
 import vllm.platforms
 from vllm.platforms.cpu import CpuPlatform
@@ -113,12 +114,18 @@ def _init_dist(vllm_config: VllmConfig) -> None:
     global _dist_ready
     if _dist_ready:
         return
+    from vllm.config import ModelConfig
     from vllm.distributed.parallel_state import (
         ensure_model_parallel_initialized,
         init_distributed_environment,
     )
 
-    with set_current_vllm_config(vllm_config):
+    # One parallel state a process, whatever model comes first: with an expert-parallel group
+    # (of one rank), which vLLM makes only when the first model is a mixture of experts.
+    with (
+        set_current_vllm_config(vllm_config),
+        mock.patch.object(ModelConfig, "is_moe", property(lambda self: True)),
+    ):
         init_distributed_environment(
             world_size=1,
             rank=0,

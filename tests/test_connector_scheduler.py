@@ -7,16 +7,19 @@ to the worker each step (new requests with their file path and prompt length, li
 even under chunked prefill; finished requests with the token ids to write), the
 kv_transfer_params.hidden_states_path returned to the client, include_output_tokens, aborts
 (hidden_states_error instead of a path, token_ids None) and the per-request hidden_states_path
-gate; the basic lifecycle also on the tiny dense Qwen3. Requests and model runner outputs are
-built as vLLM's own scheduler tests build them.
+gate; the basic lifecycle and the KV cache groups also on the tiny dense Qwen3 and each hybrid
+family of tests/tiny_models.py (Qwen3.5-MoE, Qwen3-Next, Nemotron-H). Requests and model
+runner outputs are built as vLLM's own scheduler tests build them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import harness
 import pytest
+from tiny_models import CPU_FAMILIES
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
@@ -28,6 +31,7 @@ from vllm_gdn_hs.connector import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
+from vllm_gdn_hs.model_info import read_model_info
 
 MAX_BATCHED = 256
 
@@ -105,11 +109,32 @@ def test_hma_on_with_hybrid_groups(sched):
     assert len(sched.kv_cache_config.kv_cache_groups) == 4
 
 
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_each_familys_kv_cache_groups(family_model, tmp_path, family):
+    """HMA on, and every GDN or Mamba2 layer of the model in a state group (MambaSpec), every
+    attention layer in an attention group, as the config's layer types say."""
+    model = family_model(family)
+    sched = make_scheduler(model, str(tmp_path))
+    assert sched.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    layers: dict[type, set[int]] = {}
+    for group in sched.kv_cache_config.kv_cache_groups:
+        ids = {int(re.search(r"layers\.(\d+)\.", name)[1]) for name in group.layer_names}
+        layers.setdefault(type(group.kv_cache_spec), set()).update(ids)
+    info = read_model_info(model)
+    assert layers == {
+        MambaSpec: set(info.linear_layers),
+        FullAttentionSpec: set(info.full_attention_layers),
+    }
+
+
 @pytest.mark.parametrize(
-    "model", [pytest.param("hybrid_model", marks=pytest.mark.smoke), "dense_model"]
+    "model",
+    [pytest.param("hybrid_model", marks=pytest.mark.smoke), "dense_model"]
+    + [f for f in CPU_FAMILIES if f != "qwen3_5"],  # the hybrid is Qwen3.5's
 )
-def test_request_lifecycle(model, request, tmp_path):
-    sched = make_scheduler(request.getfixturevalue(model), str(tmp_path))
+def test_request_lifecycle(model, request, family_model, tmp_path):
+    path = request.getfixturevalue(model) if model.endswith("_model") else family_model(model)
+    sched = make_scheduler(path, str(tmp_path))
     prompts = {"r0": prompt(17), "r1": prompt(1, 40), "r2": prompt(100, 7)}
     for rid, p in prompts.items():
         sched.add_request(make_request(rid, p))

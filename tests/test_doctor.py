@@ -59,6 +59,30 @@ def test_doctor_dense_model(dense_model):
     assert rows["full attention"] == "0-7"
 
 
+# family -> (linear attention (GDN/Mamba2), full attention, MLP or MoE only) as doctor prints them
+FAMILY_ROWS = {
+    "qwen3_5": ("0-2,4-6", "3,7", None),
+    "qwen3_5_moe": ("0-2,4-6", "3,7", None),
+    "qwen3_5_moe_text": ("0-2,4-6", "3,7", None),
+    "qwen3_next": ("0-2,4-6", "3,7", None),
+    "nemotron_h": ("0,2,5", "3,6", "1,4,7"),  # M-M*-M*-
+    "nemotron_h_moe": ("0,2,5", "3,6", "1,4,7"),  # M-M*EM*E
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_ROWS)
+def test_doctor_model_rows_of_each_family(family_model, family):
+    rows, hidden = doctor.model_checks(family_model(family))
+    values = {item.strip(): value for item, value, problem in rows if not problem}
+    assert len(values) == len(rows), rows  # no row fails
+    linear, full, mlp = FAMILY_ROWS[family]
+    assert values["aux hidden states in vLLM"] == "yes"
+    assert (values["hybrid"], values["layers"], hidden) == ("yes", "8", 256)
+    assert values["linear attention (GDN/Mamba)"] == linear
+    assert values["full attention"] == full
+    assert values.get("MLP or MoE only") == mlp
+
+
 def test_doctor_bad_model_fails_and_names_the_fix(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     r = _cli("doctor", "--model", str(tmp_path))

@@ -2,13 +2,15 @@
 
 Run: python -m pytest tests/test_launch_vllm_config.py -q   (CPU; needs the harness platform)
 Real parts: vLLM 0.20.1's serve argument parser, AsyncEngineArgs.from_cli_args and
-create_engine_config, with the plugin loaded, on tiny hybrid (multimodal) and dense configs.
+create_engine_config, with the plugin loaded, on tiny hybrid (multimodal) and dense configs, and on
+each hybrid family of tests/tiny_models.py (Qwen3.5-MoE, Qwen3-Next, Nemotron-H).
 """
 
 from __future__ import annotations
 
 import harness  # noqa: F401  (vLLM's CpuPlatform first)
 import pytest
+from tiny_models import CPU_FAMILIES, FAMILIES
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from vllm_gdn_hs import launch
@@ -118,3 +120,18 @@ def test_out_of_range_ids_fail_in_the_launcher_first(hybrid_model, capsys):
     assert "out of range" in capsys.readouterr().err
     with pytest.raises(ValueError, match="out of range"):  # and in vLLM's config, if bypassed
         harness.engine_config(hybrid_model, layer_ids=(1, 9))
+
+
+@pytest.mark.parametrize("family", CPU_FAMILIES)
+def test_each_familys_plan_builds_hma_extraction(family_model, tmp_path, family):
+    """The launcher's plan for each hybrid family, parsed by vLLM: ids 0 and N in the given
+    (unsorted) order, HMA on, prefix caching off, the vision tower off where there is one."""
+    model = family_model(family)
+    argv = [model, "--target-layer-ids", "8", "0", "3", "--hidden-states-path", str(tmp_path)]
+    cfg = _vllm_config([*argv, "--", "--max-model-len", "2048", "--skip-tokenizer-init"])
+    assert cfg.kv_transfer_config.kv_connector_extra_config["layer_ids"] == [8, 0, 3]
+    assert cfg.model_config.architecture == FAMILIES[family]()["architectures"][0]
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert cfg.cache_config.enable_prefix_caching is False
+    mm = cfg.model_config.multimodal_config
+    assert (mm is not None and mm.language_model_only) == ("vision_config" in FAMILIES[family]())

@@ -5,7 +5,8 @@ transformers on the same weights, with the GPU suite's bar. The folder is writte
 connector's own ``write_file``; the rows a correct run would give are HF bf16's (the GPU that
 makes them cannot run here). It must pass them, bf16 and fp8, and fail the wrong states that
 ``check`` alone cannot see: a recycled state in one file, rows shifted by a token, another
-layer. A file still being written is left out; bad input gets an error that names the fix.
+layer. A file still being written is left out; bad input gets an error that names the fix. Each
+hybrid family of tests/tiny_models.py is held to HF the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import random
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import build_tiny_dense, build_tiny_hybrid, dense_config_dict
+from tiny_models import (
+    build_model,
+    build_tiny_dense,
+    build_tiny_hybrid,
+    dense_config_dict,
+    family_config_dict,
+)
 
 from vllm_gdn_hs.check import run_spot_check, sample, scan
 from vllm_gdn_hs.checkpoint import load_text_model
@@ -235,3 +242,24 @@ def test_tied_embeddings_load_from_their_one_saved_name(tmp_path):
     model = load_text_model(str(folder), "cpu")
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+
+
+# Qwen3.5 dense is the module's model; Qwen3.5-MoE's text-only class has the same text model.
+NEW_FAMILIES = ["qwen3_5_moe", "qwen3_next", "nemotron_h", "nemotron_h_moe"]
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_each_family_held_to_hf(tmp_path, capsys, family):
+    """`check --reference` on each hybrid family's tiny model (weights by HF transformers' own
+    class), layer ids 0 and N unsorted: HF bf16's rows pass."""
+    model = build_model(str(tmp_path / "model"), family_config_dict(family))
+    folder = str(tmp_path / "hidden_states")
+    ids, prompts = [8, 0, 3, 5], PROMPTS[1:3]
+    ref = HFReference(model, ids, device="cpu")
+    ref.precompute(prompts)
+    for i, p in enumerate(prompts):
+        write_file(request_path(folder, f"req-{i}"), ref(p)[1], torch.tensor(p))
+    ref.close()
+    status, out = _check(capsys, folder, model, ids=["8,0,3,5"])
+    assert status == 0, out
+    assert out.count("within the per-file bound") == len(prompts), out

@@ -16,6 +16,7 @@ from vllm_gdn_hs import version
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.files import check_storage_path
 from vllm_gdn_hs.model_info import ModelConfigError, read_model_info
+from vllm_gdn_hs.model_support import aux_outputs_problem, has_aux_outputs
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.patch import apply_patches
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
@@ -97,13 +98,18 @@ def model_checks(model: str) -> tuple[list[Row], int | None]:
         info = read_model_info(model)
     except ModelConfigError as e:
         return [("model", model, str(e))], None
+    why = aux_outputs_problem(info.architectures)
+    known = info.architectures and all(has_aux_outputs(a) for a in info.architectures)
+    aux = "no" if why else "yes" if known else "not in vLLM's registry: checked at model load"
     return [
         ("model", f"{model} ({', '.join(info.architectures) or info.model_type})", None),
+        ("aux hidden states in vLLM", aux, why),
         ("hybrid", "yes" if info.is_hybrid else "no (dense)", None),
         ("layers", str(info.num_hidden_layers), None),
         ("  linear attention (GDN/Mamba)", _compress(info.linear_layers), None),
         ("  full attention", _compress(info.full_attention_layers), None),
         *([("  sliding window", _compress(info.sliding_layers), None)] * bool(info.sliding_layers)),
+        *([("  MLP or MoE only", _compress(info.mlp_layers), None)] * bool(info.mlp_layers)),
         ("hidden size", str(info.hidden_size), None),
         ("multimodal (pass --language-model-only)", "yes" if info.multimodal else "no", None),
     ], info.hidden_size

@@ -16,7 +16,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from vllm_gdn_hs import model_info, serve_args
+from vllm_gdn_hs import model_info, model_support, serve_args
 from vllm_gdn_hs.backends import BACKENDS, FileLaunch
 from vllm_gdn_hs.config import speculative_config
 from vllm_gdn_hs.patch import runtime_patches
@@ -146,6 +146,8 @@ def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = Non
     config alone: nothing is probed or made (:func:`preflight` does that)."""
     backend = backend_of(args)
     info = info or model_info.read_model_info(args.model, trust_remote_code=args.trust_remote_code)
+    if why := model_support.aux_outputs_problem(info.architectures):
+        raise LaunchError(why)
     ids = layer_ids(args, info.num_hidden_layers)
     vllm_args, user_kv = serve_args.take_kv_transfer_config(args.vllm_args)
     serve_args.check_vllm_args(vllm_args, info)

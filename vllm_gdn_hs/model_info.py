@@ -15,6 +15,9 @@ from dataclasses import dataclass
 _LINEAR = {"linear_attention", "mamba", "mamba2", "gdn"}
 _FULL = {"full_attention", "attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}
+_MLP = {"mlp", "moe"}  # Nemotron-H's blocks without a sequence mixer
+# Nemotron-H's hybrid_override_pattern, one letter a block (transformers' NemotronHConfig)
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 class ModelConfigError(ValueError): ...
@@ -36,6 +39,7 @@ class ModelInfo:
     linear_layers = property(lambda self: self._of(_LINEAR))
     full_attention_layers = property(lambda self: self._of(_FULL))
     sliding_layers = property(lambda self: self._of(_SLIDING))
+    mlp_layers = property(lambda self: self._of(_MLP))
     is_hybrid = property(lambda self: bool(self.linear_layers))  # linear attention (GDN/Mamba)
 
 
@@ -167,9 +171,13 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
             f"{model}: config has no num_hidden_layers/hidden_size (also looked in text_config)"
         ) from None
     interval = text.get("full_attention_interval") or 1  # Qwen3-Next: every interval-th layer
-    layer_types = text.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
-    ]
+    pattern = text.get("hybrid_override_pattern") or ""
+    layer_types = (
+        text.get("layer_types")
+        or text.get("layers_block_type")
+        or [_PATTERN.get(c, c) for c in pattern]
+        or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    )
     return ModelInfo(
         path=model,
         architectures=tuple(cfg.get("architectures") or ()),

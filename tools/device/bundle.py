@@ -82,10 +82,11 @@ FROM_0_34 = [
 CARRY_FROM_0_34 = ("transformers",)
 DROP = (
     "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FlashAttention-2: Hopper uses FA3
-    "vllm/_moe_C.abi3.so",  # MoE kernels: dense / GDN models only
+    "vllm/_moe_C.abi3.so",  # MoE kernels: dense / GDN models only (--with-moe keeps them)
     "vllm/_moe_C_stable_libtorch.abi3.so",
     "vllm/vllm-rs",  # the optional Rust HTTP frontend (0.26+)
 )
+MOE = ("vllm/_moe_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so")
 # CUDA libraries keep their ABI within a major.minor release: the machine's copy is reused when
 # it matches the required version in this many leading components (cublas 13.1.0 for 13.1.1,
 # cusparselt 0.8.0 for 0.8.1, cuda-toolkit 13.0.2 for 13.0.3). NCCL 2.28 lacks symbols torch 2.14
@@ -320,20 +321,22 @@ def wheel_requires(path):
     return [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
 
 
-def trim(src, dst):
-    """Copy the vLLM wheel without the DROP files (and their RECORD lines)."""
+def trim(src, dst, drop=DROP):
+    """Copy the vLLM wheel without the ``drop`` files (and their RECORD lines)."""
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
         for info in zin.infolist():
-            if info.filename.startswith(DROP):
+            if info.filename.startswith(drop):
                 continue
             data = zin.read(info.filename)
             if info.filename.endswith(".dist-info/RECORD"):
                 lines = data.decode().splitlines()
-                data = "".join(f"{ln}\n" for ln in lines if not ln.startswith(DROP)).encode()
+                data = "".join(f"{ln}\n" for ln in lines if not ln.startswith(drop)).encode()
             zout.writestr(info, data)
 
 
-def build(version, out_dir, python="3.12", machine_dir=MACHINE_DIR, reuse=(), carry=()):
+def build(
+    version, out_dir, python="3.12", machine_dir=MACHINE_DIR, reuse=(), carry=(), with_moe=False
+):
     machine, env, plat = load_machine(machine_dir), target_env(python), platform_args(python)
     exe = find_python(python)
     with tempfile.TemporaryDirectory() as work:
@@ -371,7 +374,8 @@ def build(version, out_dir, python="3.12", machine_dir=MACHINE_DIR, reuse=(), ca
         if Version(version) >= Version("0.34.0"):
             pins += FROM_0_34
         pip(exe, "download", "--no-deps", *plat, "-d", wheels, *pins)
-        trim(src, os.path.join(wheels, os.path.basename(src)))
+        drop = tuple(d for d in DROP if not (with_moe and d in MOE))
+        trim(src, os.path.join(wheels, os.path.basename(src)), drop)
         files = {f"wheels/{os.path.basename(w)}": w for w in glob.glob(f"{wheels}/*.whl")}
         packages = {}
         for arc, path in sorted(files.items()):
@@ -397,6 +401,12 @@ def main(argv=None):
     ap.add_argument("version", help="vLLM release, 0.20.1 .. 0.34.0")
     ap.add_argument("out_dir")
     ap.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12)")
+    ap.add_argument(
+        "--with-moe",
+        action="store_true",
+        help="keep vLLM's MoE kernels (vllm/_moe_C*.so): MoE models (Qwen3.5-MoE, Qwen3-Next, "
+        "Nemotron-H's MoE blocks) need them",
+    )
     ap.add_argument("--machine", default=MACHINE_DIR, help="folder of gpu-machine-*.txt")
     ap.add_argument(
         "--reuse",
@@ -411,7 +421,9 @@ def main(argv=None):
         help="carry this package even where the machine has it (beats --reuse)",
     )
     args = ap.parse_args(argv)
-    m = build(args.version, args.out_dir, args.python, args.machine, args.reuse, args.carry)
+    m = build(
+        args.version, args.out_dir, args.python, args.machine, args.reuse, args.carry, args.with_moe
+    )
     big = sorted(m["packages"].items(), key=lambda kv: -kv[1]["bytes"])[:8]
     mb = m["total_bytes"] / 1e6
     print(f"vllm {m['vllm']} (torch {m['torch']}): {m['part_count']} parts, {mb:.0f} MB, "

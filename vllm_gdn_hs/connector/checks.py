@@ -9,6 +9,7 @@ import vllm.envs as envs
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.model_info import validate_layer_ids
+from vllm_gdn_hs.model_support import aux_outputs_problem
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import requirement, runs_model_runner_v2
 
@@ -35,6 +36,8 @@ def validate_vllm_config(
             f"--speculative-config method {spec.method!r} cannot run with it: drop it, or use "
             '{"method": "extract_hidden_states", ...} only to pass the layer ids'
         )
+    if why := aux_outputs_problem(vllm_config.model_config.architectures):
+        raise ValueError(f"{CONNECTOR_NAME}: {why}")
     cfg = cfg or config_from(vllm_config)
     layer_ids = list(cfg.layer_ids)
     if cfg.fp8:

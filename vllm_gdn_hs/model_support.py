@@ -1,0 +1,164 @@
+"""Whether vLLM's class for a model returns auxiliary hidden states, decided before anything loads.
+
+Extraction needs the model to implement vLLM's ``SupportsEagle3`` (its decoder collects the aux
+states with ``EagleModelMixin``). vLLM's model registry (``_TEXT_GENERATION_MODELS`` and
+``_MULTIMODAL_MODELS`` in ``vllm/model_executor/models/registry.py``) names each architecture's
+module and class; the class's bases are followed through the modules they come from until one is
+``SupportsEagle3``. Sources are read with ``ast``, never imported: a model module takes seconds
+to import (vLLM itself inspects them in a subprocess), and the launcher imports neither vLLM nor
+torch. An architecture this cannot decide (not in the registry: a plugin's, or one vLLM serves
+through its Transformers backend, which has aux outputs) is let through; the runner patch checks
+the loaded model again (``supports_eagle3``).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import os
+
+AUX_INTERFACE = "SupportsEagle3"
+_REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
+_MODELS_PACKAGE = "vllm.model_executor.models"
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_dir() -> str | None:
+    spec = importlib.util.find_spec("vllm")  # the top package only: nothing of vLLM runs
+    return os.path.dirname(spec.origin) if spec and spec.origin else None
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(module: str) -> ast.Module | None:
+    """The source of one of vLLM's modules, parsed; None if it is not vLLM's or not there."""
+    root = _vllm_dir()
+    if root is None or not module.startswith("vllm."):
+        return None
+    base = os.path.join(root, *module.split(".")[1:])
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return ast.parse(f.read(), path)
+    return None
+
+
+def _resolve(module: str, relative: str | None, level: int) -> str:
+    """The absolute module of ``from <level dots><relative> import ...`` inside ``module``."""
+    if not level:
+        return relative or ""
+    parts = module.split(".")
+    if not _is_package(module):  # a module's dot is its package
+        parts = parts[:-1]
+    parts = parts[: len(parts) - (level - 1)]
+    return ".".join(parts + ([relative] if relative else []))
+
+
+def _is_package(module: str) -> bool:
+    root = _vllm_dir()
+    return root is not None and os.path.isfile(
+        os.path.join(root, *module.split(".")[1:], "__init__.py")
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def registered_classes() -> dict[str, tuple[str, str]]:
+    """Architecture -> (module, class) of vLLM's text-generation and multimodal models, as its
+    registry lists them (a module not under ``vllm.`` is relative to its models package)."""
+    tree = _parse(f"{_MODELS_PACKAGE}.registry")
+    found: dict[str, tuple[str, str]] = {}
+    for node in tree.body if tree else ():
+        if not (isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if not any(isinstance(t, ast.Name) and t.id in _REGISTRY_TABLES for t in targets):
+            continue
+        for key, value in zip(node.value.keys, node.value.values, strict=True):
+            try:  # a ``**other`` entry has no key
+                arch, (module, cls) = ast.literal_eval(key or ""), ast.literal_eval(value)
+            except (ValueError, TypeError, SyntaxError):
+                continue
+            if not module.startswith("vllm."):
+                module = f"{_MODELS_PACKAGE}.{module}"
+            found[arch] = (module, cls)
+    return found
+
+
+def _bindings(tree: ast.Module):
+    """Top-level statements, those inside ``if``/``try`` blocks included, in order."""
+    for node in tree.body:
+        yield from _flatten(node)
+
+
+def _flatten(node):
+    if isinstance(node, ast.If | ast.Try):
+        for child in (*node.body, *getattr(node, "handlers", ()), *node.orelse):
+            yield from _flatten(child)
+    elif isinstance(node, ast.ExceptHandler):
+        for child in node.body:
+            yield from _flatten(child)
+    else:
+        yield node
+
+
+def _base_name(expr: ast.expr) -> str | None:
+    if isinstance(expr, ast.Subscript):  # Generic[...] and the like
+        expr = expr.value
+    if isinstance(expr, ast.Name):
+        return expr.id
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    return None
+
+
+def _has_interface(module: str, name: str, seen: set[tuple[str, str]]) -> bool | None:
+    """Whether ``name`` in ``module`` is (or derives from) SupportsEagle3: None if one of vLLM's
+    modules on the way cannot be read."""
+    if name == AUX_INTERFACE:
+        return True
+    if (module, name) in seen:
+        return False
+    seen.add((module, name))
+    if not module.startswith("vllm."):
+        return False  # torch's, typing's: SupportsEagle3 is vLLM's
+    tree = _parse(module)
+    if tree is None:
+        return None
+    for node in _bindings(tree):  # the first binding wins (the CUDA branch in vllm.models.*)
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            answers = [
+                _has_interface(module, base, seen)
+                for base in filter(None, map(_base_name, node.bases))
+            ]
+            return True if True in answers else (None if None in answers else False)
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    source = _resolve(module, node.module, node.level)
+                    if alias.name == AUX_INTERFACE:
+                        return True
+                    return _has_interface(source, alias.name, seen)
+    return False  # a name bound some other way (object, nn.Module, a Protocol of typing)
+
+
+def has_aux_outputs(architecture: str) -> bool | None:
+    """True or False for an architecture in vLLM's registry; None where that cannot be decided."""
+    if (entry := registered_classes().get(architecture)) is None:
+        return None
+    return _has_interface(*entry, set())
+
+
+def aux_outputs_problem(architectures) -> str | None:
+    """One line naming an architecture whose vLLM class has no aux hidden-state outputs, and what
+    the user can do; None if every architecture has them or cannot be judged here."""
+    for arch in architectures or ():
+        if has_aux_outputs(arch) is False:
+            module, cls = registered_classes()[arch]
+            return (
+                f"{arch} cannot be extracted from: vLLM's {cls} ({module}) returns no auxiliary "
+                f"hidden states (it does not implement {AUX_INTERFACE}), so no layer can be "
+                "taken out of it. Extract from a model vLLM serves with them (Qwen3.5/3.6, "
+                "Qwen3.5-MoE, Qwen3-Next, Nemotron-H, most dense models; docs/options.md, "
+                "'Supported models'), or add EagleModelMixin to that class in vLLM"
+            )
+    return None
