@@ -43,7 +43,8 @@ class FileLaunch:
 
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts (made if missing, not with --dry-run)."""
+        """The folder must take files before vLLM starts: made if missing; a dry run tries the
+        same where it leaves nothing behind (:func:`files.check_storage_path`)."""
         path = cls.storage_options(args)["shared_storage_path"]
         if why := files.check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
