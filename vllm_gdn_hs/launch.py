@@ -121,9 +121,7 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
     first, so a warning never speaks of an id that is then refused."""
     n = num_hidden_layers
-    ids = list(args.target_layer_ids or model_info.default_layer_ids(n))
-    if args.target_layer_ids and args.include_last_layer and n not in ids:
-        ids.append(n)
+    ids = model_info.target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
     ids = model_info.validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
