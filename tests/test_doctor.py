@@ -35,7 +35,7 @@ def test_compress():
 
 
 def test_doctor_table_for_hybrid_model(hybrid_model):
-    r = _cli("doctor", "--model", hybrid_model)
+    r = _cli("doctor", "--model", hybrid_model, "--load")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
     lines = {re.split(r"\s{2,}", line[6:].strip())[0]: line for line in rows}
@@ -91,11 +91,66 @@ def test_doctor_bad_model_fails_and_names_the_fix(tmp_path):
 
 
 @CPU_ONLY
-def test_demo_without_gpu_says_so_and_runs_doctor(tmp_path):
+def test_demo_without_gpu_says_so_in_one_line(tmp_path):
     r = _cli("demo", "--workdir", str(tmp_path))
-    assert r.returncode == 1
-    assert "needs a CUDA GPU" in r.stdout
-    assert "plugin via vllm.general_plugins" in r.stdout  # the doctor table followed
+    assert r.returncode == 2 and r.stdout == ""
+    said = [line for line in r.stderr.splitlines() if "demo" in line]
+    assert said == [
+        "error: vllm-gdn-hs demo needs a CUDA GPU and none is visible here; run it on a GPU "
+        "machine (vllm-gdn-hs doctor checks this one's install)"
+    ], r.stderr
+    assert not os.listdir(tmp_path)
+
+
+_BARE = """
+import os, sys, time
+t0 = time.perf_counter()
+from vllm_gdn_hs.cli import main
+rc = main(["doctor"])
+print("IMPORTED", "vllm" in sys.modules, "torch" in sys.modules)
+sys.exit(rc)
+"""
+
+
+def test_doctor_without_arguments_imports_nothing_heavy_and_writes_nothing(tmp_path):
+    """The README's install line: package metadata, /proc and the RECORDs only (seconds, not
+    the minute that importing vLLM and torch takes on 2 cores), offline, writing nothing; the
+    plugin's load through vLLM is one row that names --load."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path), "HF_HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-c", _BARE], capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "IMPORTED False False" in r.stdout
+    assert not os.listdir(tmp_path)
+    rows = {line[6:48].strip(): line[:4] for line in r.stdout.splitlines() if line[4:6] == "  "}
+    assert rows["plugin entry point"] == rows["installed files"] == rows["vllm"] == "ok  "
+    assert rows["plugin via vllm.general_plugins"] == "skip"
+    assert "skipped (needs --load: it imports vLLM and torch" in r.stdout
+
+
+def test_overlapping_files_reads_each_distributions_metadata_once(monkeypatch):
+    """dist.metadata parses METADATA at each read: once per file was 41 s of doctor's 68."""
+    reads: dict[int, int] = {}
+
+    class Counted:
+        def __init__(self, dist):
+            self.dist = dist
+
+        @property
+        def metadata(self):
+            reads[id(self)] = reads.get(id(self), 0) + 1
+            return self.dist.metadata
+
+        @property
+        def files(self):
+            return self.dist.files
+
+    real = [Counted(d) for d in doctor.metadata.distributions()]
+    monkeypatch.setattr(doctor.metadata, "distributions", lambda **kw: iter(real))
+    doctor.overlapping_files()
+    assert len(reads) == len(real) and set(reads.values()) == {1}
 
 
 def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsys):
@@ -125,23 +180,46 @@ def test_doctor_untested_vllm_says_how_to_run_it(monkeypatch, capsys):
     assert re.search(r"FAIL\s+vllm\s+0\.99\.0 \(untested, run with VLLM_GDN_HS_ALLOW_UNTE", out)
     assert f"or set {version.ALLOW_UNTESTED}=1 to run vllm 0.99.0 untested" in out
     monkeypatch.setenv(version.ALLOW_UNTESTED, "1")
-    rows = {item.strip(): (value, problem) for item, value, problem in checks()}
+    rows = {item.strip(): (value, problem) for item, value, problem in checks(load=True)}
     assert rows["vllm"] == (f"0.99.0 (untested, run with {version.ALLOW_UNTESTED}=1)", None)
     assert rows["plugin via vllm.general_plugins"] == ("found", None)
 
 
-def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "ids, label", [(None, "2,4,5,8"), ([1, 3], "1,3,8"), ([1, 8, 3], "1,8,3"), ([9], None)]
+)
+def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch, ids, label):
+    """The folder is probed, not made; the probe's size and place come in a row before it is
+    written; the bytes per token are those of the ids the launcher would extract (its
+    defaults, or the ids given plus the last layer; none for ids it refuses)."""
     monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
-    folder = tmp_path / "hs" / "new"  # made, as the connector makes it
-    rows = {
-        item.strip(): (value, problem) for item, value, problem in checks(hybrid_model, str(folder))
-    }
+    folder = tmp_path / "hs" / "new"  # the launcher would make it; doctor does not
+    said = []
+    real = doctor.write_speed
+
+    def speed(where, nbytes):
+        assert said and said[-1][0] == "  write probe", "the probe is said before it is written"
+        return real(where, nbytes)
+
+    monkeypatch.setattr(doctor, "write_speed", speed)
+    for group in doctor.iter_checks(hybrid_model, str(folder), layer_ids=ids):
+        said += group
+    rows = {item.strip(): (value, problem) for item, value, problem in said}
     assert all(p is None for _, p in rows.values()), rows
-    assert rows["hidden-states path"][0] == str(folder)
+    assert rows["hidden-states path"][0] == f"{folder} (missing: the launcher makes it; " \
+        f"probed in {tmp_path})"  # fmt: skip
+    assert rows["write probe"][0] == (
+        f"writes 0.06 GiB to {tmp_path}/.vllm-gdn-hs-probe-{os.getpid()}, then removes it"
+    )
     assert float(rows["write speed (one stream, fsync)"][0].split()[0]) > 0
-    # hidden 256, 4 layers of bf16: 2,048 bytes a token
-    assert rows["at 4 layers (speculators' default)"][0].startswith("2.0 KB/token")
-    assert os.listdir(folder) == []  # the probe file is gone
+    sizing = [item for item in rows if item.startswith("at layers")]
+    if label is None:
+        assert not sizing
+    else:  # hidden 256, bf16: 512 bytes a token per layer
+        assert sizing == [f"at layers {label}"]
+        per_token = 512 * len(label.split(",")) / 1e3
+        assert rows[sizing[0]][0].startswith(f"{per_token:.1f} KB/token"), rows[sizing[0]]
+    assert os.listdir(tmp_path) == []  # nothing made, the probe file gone
 
 
 def test_doctor_unwritable_hidden_states_path_names_the_fix(tmp_path):

@@ -21,6 +21,7 @@ from tiny_models import dense_config_dict, hybrid_config_dict, write_config
 from vllm_gdn_hs import files, launch, serve_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REAL_CHECK = files.check_storage_path  # the storage_checks fixture stands in for it
 
 
 def text_hybrid_config(num_hidden_layers: int = 8) -> dict:
@@ -258,10 +259,36 @@ def test_passthrough_after_double_dash(capsys, dense):
     assert tail(cmd) == ["--no-enable-prefix-caching", *user]
 
 
-def test_unknown_options_before_double_dash_go_to_vllm(capsys, dense):
-    # speculators uses parse_known_args: unknown options reach vLLM too.
-    cmd = dry_run(capsys, dense, "--port", "8001", "--", "--enforce-eager")
-    assert tail(cmd) == ["--no-enable-prefix-caching", "--port", "8001", "--enforce-eager"]
+@pytest.mark.parametrize(
+    "typo, near",
+    [
+        (["--hidden-state-path", "/x"], "--hidden-states-path"),
+        (["--target-layers", "1", "3"], "--target-layer-ids"),
+        (["--dryrun"], "--dry-run"),
+        (["--include-lastlayer", "--hidden-states-backend=file"], "--include-last-layer"),
+        (["--moncake-master", "h:1"], "--mooncake-master"),
+    ],
+)
+def test_unknown_option_is_refused_with_the_nearest(capsys, monkeypatch, dense, typo, near):
+    """speculators' launcher forwards what it does not know to vLLM: a misspelt launcher flag
+    would then be dropped silently (the default folder, the default ids). Here it is refused,
+    before the model is read or a GPU looked for (`--dryrun` alone would otherwise launch)."""
+    looked = []
+    monkeypatch.setattr(launch, "gpu_visible", lambda: looked.append(1) or True)
+    monkeypatch.setattr(launch.model_info, "read_model_info", lambda *a, **k: looked.append(2))
+    assert launch.main([dense, *typo]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not looked
+    said = f"error: unrecognized launcher option {typo[0]}: did you mean {near}? "
+    assert said in captured.err and "flags for vllm serve go after '--'" in captured.err
+
+
+def test_vllm_flag_before_double_dash_is_refused(capsys, dense):
+    err = fail(capsys, dense, "--port", "8001", "--", "--enforce-eager")
+    assert "unrecognized launcher option --port: flags for vllm serve go after '--'" in err
+    assert "did you mean" not in err
+    err = fail(capsys, dense, "extra")
+    assert "unexpected argument 'extra': flags for vllm serve go after '--'" in err
 
 
 # --- The command ------------------------------------------------------------------------------
@@ -496,7 +523,9 @@ def test_conflicting_flags_refused(capsys, hybrid, user, words):
 
 def test_conflicting_flag_before_double_dash_refused(capsys, hybrid):
     err = fail(capsys, hybrid, "--enable-prefix-caching")
-    assert "error: --enable-prefix-caching" in err
+    assert "error: unrecognized launcher option --enable-prefix-caching: " in err
+    err = fail(capsys, hybrid, "--", "--enable-prefix-caching")
+    assert "error: --enable-prefix-caching: HybridHiddenStatesConnector needs prefix" in err
 
 
 # --- Bad inputs -------------------------------------------------------------------------------
@@ -550,6 +579,17 @@ def test_bad_layer_ids(capsys, hybrid, ids, words):
     assert err.splitlines()[-1].startswith("error: layer ids ")
     for word in words:
         assert word in err, err
+
+
+@pytest.mark.parametrize("ids", [["8"], ["3", "--no-include-last-layer"]])
+def test_ids_that_leave_the_trainer_no_layer_are_refused(capsys, hybrid, ids):
+    """The trainer takes every id but the last (the verifier's): one id leaves it none."""
+    err = fail(capsys, hybrid, "--target-layer-ids", *ids)
+    assert err == (
+        f"error: --target-layer-ids {ids[0]} leaves the trainer no layer: each file's last "
+        f"layer ({ids[0]}) is the verifier's hidden state and the trainer conditions on the "
+        "ones before it; give those, e.g. --target-layer-ids 2 4 5\n"
+    )
 
 
 def test_no_include_last_layer_with_out_of_range(capsys, hybrid):
@@ -617,6 +657,34 @@ def test_unwritable_folder_is_refused_before_vllm(capsys, hybrid, tmp_path, monk
     assert captured.err.startswith(f"error: --hidden-states-path {folder} is not writable (")
     assert "Not a directory" in captured.err
     assert "pass a folder this user can write to" in captured.err
+
+
+@pytest.mark.parametrize("where", ["/proc/hs-bar/x", "/proc/hs-bar", "a_file/hs"])
+def test_dry_run_refuses_a_folder_a_launch_could_not_make(
+    capsys, hybrid, tmp_path, where, monkeypatch
+):
+    """A dry run makes nothing, and still refuses what the launch would: a folder no one can
+    make (/proc takes no new entries, even from root) or one under a file."""
+    monkeypatch.setattr(files, "check_storage_path", REAL_CHECK)
+    (tmp_path / "a_file").write_text("")
+    folder = where if where.startswith("/") else str(tmp_path / where)
+    before = sorted(os.listdir("/proc")), sorted(os.listdir(tmp_path))
+    rc = launch.main([hybrid, "--dry-run", "--hidden-states-path", folder])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.startswith(f"error: --hidden-states-path {folder} is not writable (")
+    assert "/proc" not in folder or "no folder can be made in /proc" in captured.err
+    assert not os.path.exists(folder)
+    assert sorted(os.listdir(tmp_path)) == before[1]
+
+
+def test_dry_run_probes_a_missing_folder_and_leaves_nothing(capsys, hybrid, tmp_path):
+    """The missing folders are made under a temporary name, a file written, all removed; a
+    name too long for the file system is refused as the launch would refuse it."""
+    deep = tmp_path / "new" / "a" / "hs"
+    dry_run(capsys, hybrid, "--hidden-states-path", str(deep))
+    assert os.listdir(tmp_path) == ["hybrid"]
+    assert files.check_storage_path(str(tmp_path / "x" / ("y" * 300)), make=False)
 
 
 def test_folder_is_made_and_checked(capsys, hybrid, tmp_path, storage_checks, monkeypatch):

@@ -49,6 +49,8 @@ DEFAULT_FOLDER = "/tmp/hidden_states"  # the launcher's default, replaced by the
 FOLDER = "/data/hidden_states"  # the README's hidden-states folder, replaced by a temp one
 LAYERS = 64  # Qwen3.6-27B's
 SHELL = {"bash", "sh", "shell", "console"}
+with open(os.path.join(REPO, "pyproject.toml")) as _f:  # tomllib: Python 3.11+ only
+    MARKERS = set(re.findall(r'"(\w+):', _f.read().split("markers = [", 1)[1].split("]", 1)[0]))
 # Commands shown but not run here (they need a GPU, a server, the network or change the
 # environment); each is checked in its own test below.
 NOT_RUN = {"git", "cd", "pip", "uv", "source", "hf", "curl", "bash", "python", "speculators"}
@@ -222,6 +224,9 @@ def test_script_and_python_commands_exist():
             # speculators' own launcher (the "before" of the migration), the CPU tests, a
             # virtualenv, or one of our scripts.
             ok = cmd[1].startswith("speculators/") or cmd[1:4] == ["-m", "pytest", "tests"]
+            if cmd[1:4] == ["-m", "pytest", "tests"] and "-m" in cmd[4:]:
+                marks = set(re.findall(r"\w+", cmd[cmd.index("-m", 4) + 1])) - {"not", "and", "or"}
+                assert marks <= MARKERS, f"{cmd}: {marks - MARKERS} is no marker of pyproject.toml"
             ok = ok or (cmd[1:3] == ["-m", "venv"] and len(cmd) == 4)
             ours = cmd[1].startswith("tests/") and os.path.isfile(os.path.join(REPO, cmd[1]))
             assert ok or ours, f"README python command not covered: {cmd}"
@@ -413,16 +418,28 @@ def test_readme_shows_the_launchers_real_output(places):
 # -- vllm-gdn-hs doctor and check ----------------------------------------------------------
 
 
-def test_doctor_commands(places):
+def test_doctor_commands(places, tmp_path):
+    """The install block's doctor works offline and writes nothing; the one given a folder says
+    where its speed probe writes, and how much, before the speed it measured."""
     cmds = ours("doctor")
     assert any("--hidden-states-path" in c for c in cmds), "README: doctor --hidden-states-path"
+    install = [c for lang, body in blocks(readme()) for c in split_commands(body, True)
+               if "git clone" in body and c[:2] == ["vllm-gdn-hs", "doctor"]]  # fmt: skip
+    assert install == [["vllm-gdn-hs", "doctor"]], install
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_gdn_hs.cli", "doctor"], capture_output=True, text=True,
+        cwd=tmp_path, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0 and not os.listdir(tmp_path), r.stdout + r.stderr
     for cmd in cmds:
         r = _cli(*substitute(cmd[1:], places), cwd=places["root"])
         assert r.returncode == 0, f"{shlex.join(cmd)}\n{r.stdout}{r.stderr}"
         rows = [line for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL")]
         assert rows and all(row.startswith("ok") for row in rows), r.stdout
         if "--hidden-states-path" in cmd:
-            assert "write speed" in r.stdout and places["folder"] in r.stdout, r.stdout
+            probe = r.stdout.index(f"GiB to {places['folder']}/.vllm-gdn-hs-probe-")
+            assert probe < r.stdout.index("write speed"), r.stdout
         if "--model" in cmd:
             assert re.search(r"layers\s+64\b", r.stdout), r.stdout
 

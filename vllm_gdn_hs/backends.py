@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, version
 from vllm_gdn_hs.config import HiddenStatesConfig, kv_transfer_config, problems
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.serve_args import LaunchError
@@ -43,7 +43,8 @@ class FileLaunch:
 
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts (made if missing, not with --dry-run)."""
+        """The folder must take files before vLLM starts: made if missing; a dry run tries the
+        same where it leaves nothing behind (:func:`files.check_storage_path`)."""
         path = cls.storage_options(args)["shared_storage_path"]
         if why := files.check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
@@ -131,3 +132,36 @@ BACKENDS: dict[str, type[FileLaunch]] = {
     "mooncake": MooncakeLaunch,
     "mooncake-fp8": MooncakeFP8Launch,
 }
+
+
+Row = tuple[str, str, str | None]  # a doctor row: (item, value, problem or None)
+# hs-connectors' Mooncake wheels: each installs the package "mooncake"
+MOONCAKE_WHEELS = (
+    "mooncake-transfer-engine-non-cuda",
+    "mooncake-transfer-engine-cuda13",
+    "mooncake-transfer-engine",
+)
+
+
+def mooncake_checks(master: str) -> list[Row]:
+    """A Mooncake wheel that loads, and the master at ``master`` (host:port) answering."""
+    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := version.installed(d))]
+    problem = None
+    if not wheels:
+        problem = (
+            "pip install mooncake-transfer-engine-non-cuda (CPU hosts; GPU hosts: the "
+            "-cuda13 wheel for vLLM's CUDA 13 builds, docs/mooncake.md)"
+        )
+    else:
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as e:
+            problem = f"{e}: apt-get install -y libibverbs1 (Debian/Ubuntu)"
+    rows = [("mooncake", ", ".join(wheels) or "not installed", problem)]
+    try:
+        check_master(MooncakeOptions(master_server_address=master))
+        rows.append(("mooncake master", f"{master} answers", None))
+    except ValueError as e:  # a malformed address, or none listening
+        msg = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+        rows.append(("mooncake master", master, msg))
+    return rows

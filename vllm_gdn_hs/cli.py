@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = add(
         "doctor",
-        "Check the install, a model, a folder and a Mooncake master; no GPU needed. Exit "
-        "status 1 if any check fails.",
+        "Check the install (offline, in seconds, writing nothing), and where asked a model, a "
+        "folder and a Mooncake master; no GPU needed. Exit status 1 if any check fails.",
     )
     doc.add_argument(
         "--model",
@@ -44,7 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     doc.add_argument(
         "--hidden-states-path",
-        help="the folder files will go to: writable? free space? write speed (writes 1 GiB)?",
+        help="the folder files will go to: could the launcher make it? free space? write speed "
+        "(a 1 GiB probe file, said before it is written, then removed)?",
+    )
+    doc.add_argument(
+        "--target-layer-ids",
+        type=layer_ids_arg,
+        nargs="+",
+        help="with --model and --hidden-states-path: the ids you will launch with, for the bytes "
+        "per token (default: the launcher's)",
+    )
+    doc.add_argument(
+        "--load",
+        action="store_true",
+        help="also load the plugin through vLLM's own loader and apply its patches, as vllm "
+        "serve does (imports vLLM and torch: about a minute on 2 cores)",
     )
     doc.add_argument(
         "--mooncake-master",
@@ -108,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from vllm_gdn_hs.doctor import run_doctor
 
-        return run_doctor(args.model, args.hidden_states_path, args.mooncake_master)
+        return run_doctor(
+            args.model,
+            args.hidden_states_path,
+            args.mooncake_master,
+            flat(args.target_layer_ids),
+            args.load,
+        )
     if args.command == "config":
         print(f"wrote {write_config(args.model, args.dir)}")
         return 0

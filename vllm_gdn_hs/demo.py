@@ -1,12 +1,13 @@
 """``vllm-gdn-hs demo``: hidden states of a tiny random Qwen3.5 hybrid model (GDN and full
 attention) extracted through ``LLM(...)``, each file compared with HF transformers on the same
-weights. Without a GPU it says so and runs ``doctor``.
+weights. Without a GPU it says so in one line (exit 2).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import sys
 
 # Image/video ids must lie inside the vocabulary for vLLM to load the model.
 _VOCAB = 1024
@@ -67,11 +68,12 @@ def run_demo(workdir: str) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("vllm-gdn-hs demo needs a CUDA GPU; none is visible. Running doctor instead.\n")
-        from vllm_gdn_hs.doctor import run_doctor
-
-        run_doctor()
-        return 1
+        print(
+            "error: vllm-gdn-hs demo needs a CUDA GPU and none is visible here; run it on a GPU "
+            "machine (vllm-gdn-hs doctor checks this one's install)",
+            file=sys.stderr,
+        )
+        return 2
     from vllm import LLM, SamplingParams
 
     from vllm_gdn_hs.checkpoint import load_text_model, save_random_checkpoint

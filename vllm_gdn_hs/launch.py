@@ -4,12 +4,14 @@ speculators' ``scripts/launch_vllm.py`` (0.9.0) with ``HybridHiddenStatesConnect
 hybrid models run with vLLM's hybrid KV cache manager on). It adds ``--no-enable-prefix-caching``
 and, for multimodal checkpoints, ``--language-model-only`` unless given after ``--``; merges a
 ``--kv-transfer-config`` given after ``--`` into its own; and fails before vLLM starts on bad
-input or a flag that contradicts extraction.
+input, an option it does not know before ``--`` or a flag that contradicts extraction.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
 import os
 import shlex
@@ -82,23 +84,44 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
 
 
 def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namespace:
-    """Launcher options; ``vllm_args`` holds unknown options and everything after ``--``."""
+    """Launcher options before ``--``; ``vllm_args`` holds everything after it. An option the
+    launcher does not know is refused (exit 2) with the nearest known one: speculators'
+    launcher forwards it to vLLM, where a misspelt launcher flag would be taken silently."""
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, after = list(argv[:cut]), list(argv[cut + 1 :])
     mooncake = any("mooncake" in a for a in argv)  # the backend's name, or its options
-    args, unknown = make_parser(prog, mooncake).parse_known_args(argv)
+    parser = make_parser(prog, mooncake)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(unknown_options(parser, unknown))
     args.target_layer_ids = model_info.flat(args.target_layer_ids)
-    args.vllm_args = [*unknown, *after]
+    args.vllm_args = after
     return args
+
+
+def unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """Why ``unknown`` (what the parser left over) is refused, naming the nearest option."""
+    word = next((w for w in unknown if w.startswith("-")), unknown[0])
+    if not word.startswith("-"):
+        return f"unexpected argument {word!r}: flags for vllm serve go after '--'"
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    if not any("mooncake" in s for s in known):  # their definitions import torch: only now
+        with contextlib.suppress(ImportError):
+            full = make_parser(parser.prog, mooncake=True)
+            known = [s for a in full._actions for s in a.option_strings if s.startswith("--")]
+    near = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return (
+        f"unrecognized launcher option {word}: {hint}flags for vllm serve go after '--' "
+        f"({parser.prog} MODEL [options] -- {word} ...)"
+    )
 
 
 def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
     first, so a warning never speaks of an id that is then refused."""
     n = num_hidden_layers
-    ids = list(args.target_layer_ids or model_info.default_layer_ids(n))
-    if args.target_layer_ids and args.include_last_layer and n not in ids:
-        ids.append(n)
+    ids = model_info.target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
     ids = model_info.validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
@@ -107,6 +130,14 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
                 f"{ids} end with the last layer. To leave it out, pass the ids."
             )
         return ids
+    if len(ids) < 2:  # the trainer takes ids[:-1]; ids[-1] is the verifier's hidden state
+        example = " ".join(map(str, model_info.default_layer_ids(n)[:-1]))
+        raise LaunchError(
+            f"--target-layer-ids {' '.join(map(str, args.target_layer_ids))} leaves the trainer "
+            f"no layer: each file's last layer ({ids[-1]}) is the verifier's hidden state and "
+            f"the trainer conditions on the ones before it; give those, e.g. "
+            f"--target-layer-ids {example}"
+        )
     warn(
         f"using custom target layer ids {ids}. Pass the same ids, without the last one "
         f"({ids[-1]}), to the training script: it takes the last layer of each file as the "

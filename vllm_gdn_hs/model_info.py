@@ -195,6 +195,16 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
     return [2, n // 2, n - 3, n]
 
 
+def target_layer_ids(
+    given: list[int] | None, num_hidden_layers: int, last: bool = True
+) -> list[int]:
+    """speculators' launcher's rule: the defaults, or the ids given plus the last layer (with
+    ``last``, unless given)."""
+    n = num_hidden_layers
+    ids = list(given or default_layer_ids(n))
+    return [*ids, n] if given and last and n not in ids else ids
+
+
 def layer_ids_arg(text: str) -> list[int]:
     """An argparse ``type`` for layer ids separated by commas, spaces or both (with
     ``nargs="+"``, then :func:`flat`): ``1,16,31``, ``1 16 31`` and ``1, 16, 31`` are the same."""
