@@ -315,9 +315,8 @@ def hidden_states_of(data: dict):
 
 def check_storage_path(path: str, make: bool = True) -> str | None:
     """Why ``path`` cannot hold hidden-states files, or None: a file is made and removed in it
-    (the folder is made if missing). With ``make=False`` the same is tried where nothing is
-    left behind: the missing part of the path is made under a temporary name in the nearest
-    folder that exists, a file written in it, and all of it removed."""
+    (the folder made if missing). With ``make=False`` nothing is left behind: the path's missing
+    part is made under a temporary name in the nearest folder that exists, then removed."""
     if make:
         return _probe(path, make=True)
     parent = path
