@@ -264,6 +264,20 @@ def test_aux_states_made_during_a_graph_capture_share_one_buffer_per_layer(
     assert not {a.data_ptr() for a in eager} & set(captured[16])  # no capture: the model's own
 
 
+def test_a_model_vllm_compiles_keeps_its_own_aux_states(hybrid_model, tmp_path):
+    """A model whose forward vLLM runs through torch.compile (its compiled submodule, the one
+    thing faked here) is not wrapped: dynamo would trace the sink's copies and the capture
+    check. Its eager steps stack their rows, and profile_run covers the largest step."""
+    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
+    with mock.patch(
+        "vllm.v1.worker.gpu.cudagraph_utils.has_compiled_submodule", lambda model: True
+    ):
+        runner = _runner(cfg, _AuxModel())
+    assert runner.hidden_states_sink is None
+    assert "_maybe_add_hidden_state" not in vars(runner.model.inner)
+    assert "_maybe_add_hidden_state" in vars(_runner(cfg, _AuxModel()).model.inner)
+
+
 @pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface
 def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
     layer_ids = (8, 1, 4)  # configured order; the model hands aux states in ascending order

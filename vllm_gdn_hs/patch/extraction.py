@@ -183,6 +183,18 @@ class LayerSink:
         return self.placeholder
 
 
+def compiled_forward(model) -> bool:
+    """Whether vLLM runs ``model``'s forward through torch.compile (vLLM 0.34.0: Qwen3-Next,
+    Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled). Dynamo would trace the
+    wrapper, whose copies and capture check cannot run inside a compiled graph: such a model's
+    eager steps stack their rows after the forward pass."""
+    try:
+        from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
+    except ImportError:  # a release without it: taken as compiled, the safe side
+        return True
+    return has_compiled_submodule(model)
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s stream is capturing a CUDA graph now."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -192,7 +204,8 @@ def install_sink(self) -> None:
     """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
     that aux states made during a CUDA-graph capture go to :class:`CapturedAuxBuffers` and an
     open :class:`LayerSink` takes those of an eager step. Nothing is wrapped without
-    ``EagleModelMixin`` or a model using it. The sink is not installed (every eager step
+    ``EagleModelMixin`` or a model using it, or for a model vLLM compiles
+    (:func:`compiled_forward`). The sink is not installed (every eager step
     stacked) with sequence parallelism (the model concatenates the aux states after the last
     layer), fp8 (a row's scale spans all layers), a connector that cannot take a slot, or
     ``layer_by_layer`` off."""
@@ -205,7 +218,7 @@ def install_sink(self) -> None:
         return
     modules = self.model.modules() if isinstance(self.model, torch.nn.Module) else ()
     holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
-    if holder is None:
+    if holder is None or compiled_forward(self.model):
         return
     hidden, dtype = self.model_config.get_hidden_size(), self.model_config.dtype
     captured = None
