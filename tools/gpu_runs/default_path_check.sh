@@ -9,8 +9,9 @@
 #               (tests/gpu/test_gpu_extract.py)                                     (~2 min)
 #   3 shutdown  SIGTERM, and SIGTERM then SIGINT, with 64 requests in flight, through the
 #               launcher and through plain `vllm serve` (tests/gpu/test_gpu_shutdown.py) (~7 min)
-#   4 families  every model family against HF (tests/gpu/test_gpu_families.py, where present)
-#   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat -> e2e.json
+#   4 families  every model family against HF (tests/gpu/test_gpu_families.py)       (~5 min)
+#   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat, the 4b shape
+#               (the writer's bytes at the highest rate) -> e2e.json                 (~4 min)
 #   6 memory    CUDA-graph memory and peak within one block of plain's (tests/gpu/test_gpu_memory.py)
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
@@ -52,9 +53,9 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
     4) [ -f tests/gpu/test_gpu_families.py ] && suite families 420 tests/gpu/test_gpu_families.py ;;
     5)
         log "e2e start"
-        python3 benchmarks/e2e.py --shape 27b --backends plain,file --workload chat \
+        python3 benchmarks/e2e.py --shape 4b --backends plain,file --workload chat \
             --run default-path --out-dir /dev/shm/e2e-check --log-dir "$R/logs" \
-            --model-root /tmp/m27 --results "$R/e2e.json" -- --max-num-seqs 256 \
+            --model-root /tmp/m4 --results "$R/e2e.json" -- --max-num-seqs 256 \
             >"$R/logs/e2e.txt" 2>&1
         log "e2e end rc=$?"
         ;;
