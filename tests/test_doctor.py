@@ -72,12 +72,12 @@ FAMILY_ROWS = {
 
 @pytest.mark.parametrize("family", FAMILY_ROWS)
 def test_doctor_model_rows_of_each_family(family_model, family):
-    rows, hidden = doctor.model_checks(family_model(family))
+    rows, info = doctor.model_checks(family_model(family))
     values = {item.strip(): value for item, value, problem in rows if not problem}
     assert len(values) == len(rows), rows  # no row fails
     linear, full, mlp = FAMILY_ROWS[family]
     assert values["aux hidden states in vLLM"] == "yes"
-    assert (values["hybrid"], values["layers"], hidden) == ("yes", "8", 256)
+    assert (values["hybrid"], values["layers"], info.hidden_size) == ("yes", "8", 256)
     assert values["linear attention (GDN/Mamba)"] == linear
     assert values["full attention"] == full
     assert values.get("MLP or MoE only") == mlp
