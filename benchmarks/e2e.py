@@ -117,7 +117,8 @@ def serve_command(args, backend: str, port: int) -> list[str]:
     hybrid model are given to both explicitly)."""
     serve = ["--host", HOST, "--port", str(port), *args.serve_common, *args.serve_args]
     if backend == "plain":
-        return ["vllm", "serve", args.model, *serve]
+        # as the launcher starts it: no console script needed on PATH (the device's isn't)
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, *serve]
     cmd = [sys.executable, "-m", "vllm_gdn_hs.cli", "launch", args.model]
     cmd += ["--hidden-states-backend", backend, "--hidden-states-path", args.backend_dir(backend)]
     cmd += ["--target-layer-ids", *map(str, args.layers), "--no-include-last-layer"]

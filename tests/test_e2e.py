@@ -65,8 +65,8 @@ def test_plain_and_ours_get_the_same_serve_flags(tmp_path):
     args.backend_dir = lambda b: str(tmp_path / b)
     plain = e2e.serve_command(args, "plain", 8000)
     ours = e2e.serve_command(args, "file", 8000)
-    assert plain[:3] == ["vllm", "serve", "/m"]
-    assert ours[ours.index("--") + 1 :] == plain[3:]
+    assert plain[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    assert ours[ours.index("--") + 1 :] == plain[5:]
     assert ours[ours.index("--target-layer-ids") + 1 : ours.index("--no-include-last-layer")] == [
         "1", "16", "31", "46", "61", "64"
     ]  # fmt: skip

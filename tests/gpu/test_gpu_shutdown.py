@@ -158,7 +158,10 @@ def _plain_serve(model: str, storage, log):
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port)]
     cmd += ["--host", "127.0.0.1"]
     cmd += ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048", "--enforce-eager"]
+    # What the launcher adds for a multimodal model: without it, vLLM's multimodal processor
+    # needs the tokenizer --skip-tokenizer-init leaves out, and the server does not start.
     cmd += ["--additional-config", launched.TRITON_GDN, "--skip-tokenizer-init"]
+    cmd += ["--language-model-only"]
     cmd += ["--kv-transfer-config", json.dumps(kv | {"kv_connector_extra_config": extra})]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
