@@ -31,7 +31,6 @@ from typing import cast
 import torch
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.connector.staging import strided_copy_works
 from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
@@ -209,7 +208,8 @@ def install_sink(self) -> None:
     stacked) with sequence parallelism (the model concatenates the aux states after the last
     layer), fp8 (a row's scale spans all layers), a connector that cannot take a slot, or
     ``layer_by_layer`` off."""
-    from vllm_gdn_hs.connector.checks import config_from
+    from vllm_gdn_hs.connector.checks import config_from  # the connector: lazily
+    from vllm_gdn_hs.connector.staging import strided_copy_works
 
     self.hidden_states_sink = None
     try:
