@@ -30,7 +30,7 @@ from typing import cast
 
 import torch
 
-from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.config import configured_layer_ids, is_ours
 from vllm_gdn_hs.connector.staging import strided_copy_works
 from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
@@ -42,7 +42,7 @@ def extraction_layer_ids(vllm_config) -> list[int] | None:
     kv = vllm_config.kv_transfer_config
     if not is_ours(kv):
         return None
-    return list((kv.kv_connector_extra_config or {}).get("layer_ids") or [])
+    return configured_layer_ids(kv)
 
 
 def layer_order(layer_ids) -> list[int]:
