@@ -263,3 +263,15 @@ def test_no_reach_into_private_names_across_modules(room):
             if reach:
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {reach}")
     assert not found, "reaches into private names of another module:\n" + "\n".join(found)
+
+
+def test_ci_releases_live_beside_ci_and_are_supported():
+    """.ci/run's releases are CI's business: a list beside it, not a name in the runtime; each
+    is a supported release, and the newest supported one is among them."""
+    from vllm_gdn_hs.version import RELEASES
+
+    lines = (REPO / ".ci" / "releases").read_text().splitlines()
+    listed = " ".join(line for line in lines if not line.startswith("#")).split()
+    assert listed and set(listed) <= set(RELEASES) and listed[-1] == RELEASES[-1], listed
+    assert listed == sorted(listed, key=RELEASES.index), "oldest first: .ci/run starts the last"
+    assert "CI_RELEASES" not in (PACKAGE / "version.py").read_text()
