@@ -325,7 +325,7 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
         )
     elif stage == "lock":
         monkeypatch.setattr(  # the file storage takes the lock as the request starts
-            files,
+            locks,
             "take_lock",
             for_victim(locks.take_lock, lambda p: name_of.get(os.path.basename(p))),
         )
