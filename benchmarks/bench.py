@@ -12,7 +12,7 @@ lines from it (logparse.py), and merges the child's records into one results JSO
 
 Variants:   plain (no extraction), ours (HybridHiddenStatesConnector), fp8 (ours, fp8 files),
             mooncake (ours, objects in a mooncake_master started on 127.0.0.1), mooncake-fp8
-            (those objects in fp8, read in bf16 by vllm_gdn_hs.train's reader), upstream
+            (those objects in fp8, read in bf16 by vllm_gdn_hs.cli.train's reader), upstream
             (vLLM's ExampleHiddenStatesConnector), hf (transformers + forward hooks, best batch
             size).
 Workloads:  NxL (N random-token prompts of L tokens, max_tokens=1), mixed (lognormal lengths,

@@ -16,13 +16,14 @@ def run_hf(spec: dict, emit, poller: GpuMemPoller) -> None:
     """transformers forward with hooks on the chosen layers; saves upstream's file format.
 
     Builds the language model alone (Qwen3_5ForCausalLM from text_config, random weights, on
-    the GPU), as vllm_gdn_hs.checkpoint does: transformers 5.17 cannot build this config's vision
-    tower, and vLLM's language_model_only skips it too.
+    the GPU), as vllm_gdn_hs.verify.checkpoint does: transformers 5.17 cannot build this config's
+    vision tower, and vLLM's language_model_only skips it too.
 
-    The hooks repeat vllm_gdn_hs.reference.hf_hidden_states' (layer id k: the output of decoder
-    layer k - 1, 0: the embeddings), which does not fit here: it runs one prompt per forward
-    pass and computes the logits of every position, where this measures right-padded batches
-    with the logits of the last position only (logits_to_keep=1), as vLLM's prefill."""
+    The hooks repeat vllm_gdn_hs.verify.reference.hf_hidden_states' (layer id k: the output of
+    decoder layer k - 1, 0: the embeddings), which does not fit here: it runs one prompt per
+    forward pass and computes the logits of every position, where this measures right-padded
+    batches with the logits of the last position only (logits_to_keep=1), as vLLM's prefill.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     import torch

@@ -109,7 +109,9 @@ class LocalStore:
         self.log_path = log_path
         self.proc = start_master(_required_master_binary(), self.port, log_path, timeout)
         self.client = None
-        self.fp8 = fp8  # read with vllm_gdn_hs.train's reader: bf16 back, as the trainer sees it
+        self.fp8 = (
+            fp8  # read with vllm_gdn_hs.cli.train's reader: bf16 back, as the trainer sees it
+        )
 
     def options(self) -> dict:
         """``kv_connector_extra_config["mooncake"]`` for the engine."""
@@ -125,7 +127,7 @@ class LocalStore:
         if self.client is None:
             self.client = reader(self.address)
             if self.fp8:
-                from vllm_gdn_hs.train import MooncakeFP8Transfer
+                from vllm_gdn_hs.cli.train import MooncakeFP8Transfer
 
                 self.client = MooncakeFP8Transfer(self.client.store)
         return self.client

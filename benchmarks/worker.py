@@ -17,7 +17,7 @@ from outputs import check_space, dir_bytes, record_error, reset_dir
 from records import FAILED, OK
 from workloads import WARMUP_PROMPTS, make_workload, prompt_ids
 
-from vllm_gdn_hs.files import take_finished
+from vllm_gdn_hs.locks import take_finished
 
 CONNECTORS = {
     "ours": "HybridHiddenStatesConnector",

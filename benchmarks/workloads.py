@@ -9,7 +9,7 @@ import re
 import statistics
 from dataclasses import dataclass
 
-from vllm_gdn_hs.model_info import packaged_config_path
+from vllm_gdn_hs.cli.model_info import packaged_config_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")

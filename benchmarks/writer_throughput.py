@@ -28,7 +28,7 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-from vllm_gdn_hs.files import wait_for_file
+from vllm_gdn_hs.locks import wait_for_file
 
 _row_norms = staging.row_norms  # the real one; run() stands a precomputed copy in for it
 

@@ -6,13 +6,13 @@ Put this file where speculators' script was and call it the same way:
 
 Same options, defaults and layer ids; an unknown option before ``--`` is refused with the
 nearest known one, where speculators' script passes it on to vLLM. The work is done by
-``vllm_gdn_hs.launch.main`` (also available as ``vllm-gdn-hs launch``), so
+``vllm_gdn_hs.cli.launch.main`` (also available as ``vllm-gdn-hs launch``), so
 vllm-gdn-hs must be installed in the Python that runs this file.
 """
 
 import sys
 
-from vllm_gdn_hs.launch import main
+from vllm_gdn_hs.cli.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

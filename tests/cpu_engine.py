@@ -78,8 +78,8 @@ except AttributeError:
 from vllm.config import VllmConfig, get_layers_from_vllm_config, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
+from vllm_gdn_hs.cli.model_info import read_model_info  # noqa: E402
 from vllm_gdn_hs.config import extraction_config  # noqa: E402
-from vllm_gdn_hs.model_info import read_model_info  # noqa: E402
 
 STOCK = "ExampleHiddenStatesConnector"
 OURS = "HybridHiddenStatesConnector"

@@ -147,8 +147,8 @@ def trainer(a: dict) -> None:
     from hs_connectors.transfer import FP8Transfer, MooncakeTransfer
     from safetensors.torch import load_file
 
+    from vllm_gdn_hs.cli.train import MooncakeFP8Transfer
     from vllm_gdn_hs.storage.mooncake_options import advertise_address
-    from vllm_gdn_hs.train import MooncakeFP8Transfer
 
     advertise_address(a["ip"])
     cfg = MooncakeStoreConfig(

@@ -30,7 +30,7 @@ from vllm_gdn_hs.connector.metadata import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker, _signals_logged
+from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker, signals_logged
 
 L, H, T = 2, 64, 16
 
@@ -83,7 +83,7 @@ def main(folder: str, drain_s: float, delay_s: float, workers: int) -> int:
             return real_close(deadline)
 
         worker.writer.close = close
-        with _signals_logged(drain_s):  # as the plugin's EngineCoreProc.shutdown wrap
+        with signals_logged(drain_s):  # as the plugin's EngineCoreProc.shutdown wrap
             print("teardown", flush=True)  # before the connector's close(): vLLM's teardown
             time.sleep(0.5)  # the executor's teardown: the second signal lands here
             worker.close()

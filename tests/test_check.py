@@ -14,10 +14,11 @@ import sys
 
 import torch
 
-from vllm_gdn_hs import check
-from vllm_gdn_hs.check import scan
 from vllm_gdn_hs.cli import main
-from vllm_gdn_hs.files import release_lock, take_lock, write_file
+from vllm_gdn_hs.files import write_file
+from vllm_gdn_hs.locks import release_lock, take_lock
+from vllm_gdn_hs.verify import check
+from vllm_gdn_hs.verify.check import scan
 
 L, H = 4, 64
 

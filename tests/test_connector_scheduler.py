@@ -25,13 +25,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_gdn_hs.cli.model_info import read_model_info
 from vllm_gdn_hs.connector import (
     FinishedRequest,
     HybridHiddenStatesConnector,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.model_info import read_model_info
 
 MAX_BATCHED = 256
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import request_rows, staging, worker
 from vllm_gdn_hs.connector.metadata import (
@@ -112,7 +112,7 @@ def lock_state(path: str) -> str:
     """'held', 'free' or 'absent': what speculators' reader would find at <path>.lock."""
     if not os.path.exists(path + ".lock"):
         return "absent"
-    return "held" if files.lock_held(path + ".lock") else "free"
+    return "held" if locks.lock_held(path + ".lock") else "free"
 
 
 def leftovers(storage) -> list[str]:
@@ -255,7 +255,7 @@ def test_reader_gets_the_lock_only_once_the_file_is_complete(writer, storage):
     seen = {}
 
     def reader():  # speculators' protocol
-        files.wait_for_file(path, timeout=30)
+        locks.wait_for_file(path, timeout=30)
         seen["file"] = load_file(path)
 
     t = threading.Thread(target=reader)

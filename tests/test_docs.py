@@ -20,7 +20,7 @@ import sys
 import pytest
 from test_readme import MODEL, blocks, split_commands
 
-from vllm_gdn_hs.model_info import write_config
+from vllm_gdn_hs.cli.model_info import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from vllm_gdn_hs import doctor
-from vllm_gdn_hs.doctor import _compress, checks
+from vllm_gdn_hs.cli import doctor, host
+from vllm_gdn_hs.cli.doctor import _compress, checks
 from vllm_gdn_hs.version import describe_releases, installed_vllm, runner_in_use
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -157,7 +157,7 @@ def test_doctor_unsupported_vllm_names_the_supported_versions(monkeypatch, capsy
     from packaging.version import Version
 
     import vllm_gdn_hs.version as version
-    from vllm_gdn_hs.doctor import run_doctor
+    from vllm_gdn_hs.cli.doctor import run_doctor
 
     monkeypatch.setattr(version, "installed_vllm", lambda: Version("0.19.0"))
     assert run_doctor() == 1
@@ -171,7 +171,7 @@ def test_doctor_untested_vllm_says_how_to_run_it(monkeypatch, capsys):
     from packaging.version import Version
 
     import vllm_gdn_hs.version as version
-    from vllm_gdn_hs.doctor import run_doctor
+    from vllm_gdn_hs.cli.doctor import run_doctor
 
     monkeypatch.setattr(version, "installed_vllm", lambda: Version("0.99.0"))
     monkeypatch.delenv(version.ALLOW_UNTESTED, raising=False)
@@ -192,16 +192,16 @@ def test_doctor_storage_checks(hybrid_model, tmp_path, monkeypatch, ids, label):
     """The folder is probed, not made; the probe's size and place come in a row before it is
     written; the bytes per token are those of the ids the launcher would extract (its
     defaults, or the ids given plus the last layer; none for ids it refuses)."""
-    monkeypatch.setattr(doctor, "PROBE_BYTES", 1 << 26)
+    monkeypatch.setattr(host, "PROBE_BYTES", 1 << 26)
     folder = tmp_path / "hs" / "new"  # the launcher would make it; doctor does not
     said = []
-    real = doctor.write_speed
+    real = host.write_speed
 
     def speed(where, nbytes):
         assert said and said[-1][0] == "  write probe", "the probe is said before it is written"
         return real(where, nbytes)
 
-    monkeypatch.setattr(doctor, "write_speed", speed)
+    monkeypatch.setattr(host, "write_speed", speed)
     for group in doctor.iter_checks(hybrid_model, str(folder), layer_ids=ids):
         said += group
     rows = {item.strip(): (value, problem) for item, value, problem in said}
@@ -321,8 +321,8 @@ def test_doctor_host_memory_fails_below_write_backlog_under_a_cgroup_cap(
     from vllm_gdn_hs.config import HiddenStatesConfig
 
     proc, cg = _kernel_files(tmp_path, cgroup_line, files)
-    assert doctor.memory_limit(proc, cg) == 6_000_000_000
-    ((item, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert host.memory_limit(proc, cg) == 6_000_000_000
+    ((item, value, problem),) = host.host_memory_checks(proc, cg)
     assert item == "host memory" and value.startswith("6.0 GB available"), value
     flag = "--kv-transfer-config.kv_connector_extra_config.write_backlog_gb=3"
     assert problem and flag in problem and "write_backlog_gb=16" in problem, problem
@@ -342,13 +342,13 @@ def test_doctor_host_memory_reported_without_a_cap(tmp_path, cgroup_line, files)
     """No cgroup cap ("max", v1's near-2^63, or none): MemAvailable is reported and never
     fails the doctor, even when low (free memory on a shared machine moves)."""
     proc, cg = _kernel_files(tmp_path, cgroup_line, files, avail_kb=4 << 20)
-    assert doctor.memory_limit(proc, cg) is None
-    ((_, value, problem),) = doctor.host_memory_checks(proc, cg)
+    assert host.memory_limit(proc, cg) is None
+    ((_, value, problem),) = host.host_memory_checks(proc, cg)
     assert value == "4.3 GB available" and problem is None
 
 
 def test_doctor_host_memory_of_this_machine():
-    ((item, value, problem),) = doctor.host_memory_checks()
+    ((item, value, problem),) = host.host_memory_checks()
     assert item == "host memory" and value.endswith(("available", "GB more)")), value
     assert "host memory" in dict((r[0], r[1]) for r in checks())
 
@@ -421,7 +421,7 @@ def test_doctor_prints_the_model_first_and_skips_what_needs_a_failed_check(tmp_p
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     r = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom vllm_gdn_hs.doctor import iter_checks\n"
+        [sys.executable, "-c", "import sys\nfrom vllm_gdn_hs.cli.doctor import iter_checks\n"
          "rows = next(iter_checks('Qwen/Qwen3.6-27B'))\nprint(rows[0][2])\n"
          "print('vllm' in sys.modules, 'torch' in sys.modules)"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HOME": str(tmp_path)},

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks
 
 
 @pytest.mark.parametrize(
@@ -73,12 +73,12 @@ def test_is_temp():
 
 _WRITE = """
 import os, sys, torch
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks
 os.umask(int(sys.argv[2], 8))
 path = os.path.join(sys.argv[1], "f.safetensors")
-fd = files.take_lock(path)
+fd = locks.take_lock(path)
 files.write_file(path, torch.zeros(2, 1, 4, dtype=torch.bfloat16) + 1, torch.arange(2))
-files.release_lock(fd, path, remove=False)
+locks.release_lock(fd, path, remove=False)
 print(oct(os.stat(path).st_mode & 0o777), oct(os.stat(path + ".lock").st_mode & 0o777))
 """
 
@@ -98,15 +98,15 @@ def test_files_and_locks_get_the_umasks_mode(tmp_path, umask, mode):
 
 def test_take_lock_never_waits(tmp_path):
     path = str(tmp_path / "a.safetensors")
-    fd = files.take_lock(path)
+    fd = locks.take_lock(path)
     with pytest.raises(BlockingIOError, match="another process holds it"):
-        files.take_lock(path)
-    assert files.lock_held(path + ".lock") is True
-    assert files.take_finished(path) is False  # the reader waits while it is held
-    files.release_lock(fd, path, remove=True)
-    assert files.lock_held(path + ".lock") is False
+        locks.take_lock(path)
+    assert locks.lock_held(path + ".lock") is True
+    assert locks.take_finished(path) is False  # the reader waits while it is held
+    locks.release_lock(fd, path, remove=True)
+    assert locks.lock_held(path + ".lock") is False
     with pytest.raises(FileNotFoundError):  # no lock and no file: the write failed
-        files.take_finished(path)
+        locks.take_finished(path)
 
 
 def _safetensors(path, header: dict, data: bytes) -> None:
@@ -168,3 +168,14 @@ def test_written_files_are_the_bytes_safetensors_writes(tmp_path, fp8):
     for k, v in expected.items():
         assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_the_format_names_what_hs_connectors_names():
+    """files.py declares the fp8 scales' tensor name without importing hs-connectors (whose
+    fp8_utils imports torch: check and doctor run without it); the two must stay one name."""
+    from hs_connectors.fp8_utils import SCALES_KEY
+
+    from vllm_gdn_hs.storage.mooncake import MAX_KEY_STEM
+
+    assert files.SCALES == SCALES_KEY
+    assert MAX_KEY_STEM == files.MAX_STEM

@@ -18,7 +18,6 @@ from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp
 from safetensors.torch import load_file
 
 from vllm_gdn_hs import files
-from vllm_gdn_hs.check import scan
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
@@ -28,6 +27,7 @@ from vllm_gdn_hs.connector.metadata import (
 from vllm_gdn_hs.connector.staging import rows_and_norms
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
 from vllm_gdn_hs.rows import row_norms
+from vllm_gdn_hs.verify.check import scan
 
 L, H = 4, 64
 _gen = torch.Generator().manual_seed(0)

@@ -33,7 +33,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.request import Request
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks
 from vllm_gdn_hs.connector import HybridHiddenStatesConnector, request_rows
 from vllm_gdn_hs.version import has_v1_runner
 
@@ -325,9 +325,9 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
         )
     elif stage == "lock":
         monkeypatch.setattr(  # the file storage takes the lock as the request starts
-            files,
+            locks,
             "take_lock",
-            for_victim(files.take_lock, lambda p: name_of.get(os.path.basename(p))),
+            for_victim(locks.take_lock, lambda p: name_of.get(os.path.basename(p))),
         )
     elif stage == "host-buffer":
         monkeypatch.setattr(
@@ -357,7 +357,7 @@ def test_a_fault_at_any_stage_costs_one_request_its_file(
     else:  # on the worker side: counted and logged once with its id
         assert eng.params(victim) == {"hidden_states_path": victim_file}
         with pytest.raises(FileNotFoundError):
-            files.wait_for_file(victim_file, timeout=1)
+            locks.wait_for_file(victim_file, timeout=1)
         logged = [
             r for r in caplog.records if r.levelno >= logging.ERROR and victim in r.getMessage()
         ]

@@ -16,7 +16,7 @@ import os
 import harness
 import pytest
 
-from vllm_gdn_hs.model_info import packaged_config_path
+from vllm_gdn_hs.cli.model_info import packaged_config_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAYERS = [1, 16, 31, 46, 61, 64]

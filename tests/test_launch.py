@@ -1,4 +1,4 @@
-"""The launcher (vllm_gdn_hs.launch, launch/launch_vllm.py, `vllm-gdn-hs launch`); CPU only.
+"""The launcher (vllm_gdn_hs.cli.launch, launch/launch_vllm.py, `vllm-gdn-hs launch`); CPU only.
 
 Run: python -m pytest tests/test_launch.py -q (needs no GPU, no network).
 Covers parity with speculators' scripts/launch_vllm.py (options, defaults, layer ids, `--`
@@ -18,10 +18,11 @@ import sys
 import pytest
 from tiny_models import dense_config_dict, hybrid_config_dict, write_config
 
-from vllm_gdn_hs import files, launch, serve_args
+from vllm_gdn_hs import probes
+from vllm_gdn_hs.cli import launch, serve_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REAL_CHECK = files.check_storage_path  # the storage_checks fixture stands in for it
+REAL_CHECK = probes.check_storage_path  # the storage_checks fixture stands in for it
 
 
 def text_hybrid_config(num_hidden_layers: int = 8) -> dict:
@@ -49,13 +50,13 @@ def no_exec(monkeypatch):
 def storage_checks(monkeypatch, tmp_path):
     """The launcher's folder check, for real under tmp_path; other folders (the default
     /tmp/hidden_states, "/x") are recorded, not made. Returns the paths checked."""
-    seen, real = [], files.check_storage_path
+    seen, real = [], probes.check_storage_path
 
     def check(path, make=True):
         seen.append(path)
         return real(path, make) if path.startswith(str(tmp_path)) else None
 
-    monkeypatch.setattr(files, "check_storage_path", check)
+    monkeypatch.setattr(probes, "check_storage_path", check)
     return seen
 
 
@@ -388,7 +389,7 @@ def test_dry_run_does_not_exec(capsys, hybrid):
 
 
 def test_build_command_with_given_info(hybrid):
-    from vllm_gdn_hs.model_info import read_model_info
+    from vllm_gdn_hs.cli.model_info import read_model_info
 
     args = launch.parse_args(["served-name", "--", "--seed", "1"])
     cmd = launch.build_plan(args, read_model_info(hybrid)).command
@@ -665,7 +666,7 @@ def test_dry_run_refuses_a_folder_a_launch_could_not_make(
 ):
     """A dry run makes nothing, and still refuses what the launch would: a folder no one can
     make (/proc takes no new entries, even from root) or one under a file."""
-    monkeypatch.setattr(files, "check_storage_path", REAL_CHECK)
+    monkeypatch.setattr(probes, "check_storage_path", REAL_CHECK)
     (tmp_path / "a_file").write_text("")
     folder = where if where.startswith("/") else str(tmp_path / where)
     before = sorted(os.listdir("/proc")), sorted(os.listdir(tmp_path))
@@ -684,7 +685,7 @@ def test_dry_run_probes_a_missing_folder_and_leaves_nothing(capsys, hybrid, tmp_
     deep = tmp_path / "new" / "a" / "hs"
     dry_run(capsys, hybrid, "--hidden-states-path", str(deep))
     assert os.listdir(tmp_path) == ["hybrid"]
-    assert files.check_storage_path(str(tmp_path / "x" / ("y" * 300)), make=False)
+    assert probes.check_storage_path(str(tmp_path / "x" / ("y" * 300)), make=False)
 
 
 def test_folder_is_made_and_checked(capsys, hybrid, tmp_path, storage_checks, monkeypatch):

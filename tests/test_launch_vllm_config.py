@@ -13,7 +13,7 @@ import pytest
 from tiny_models import CPU_FAMILIES, FAMILIES
 from vllm.engine.arg_utils import AsyncEngineArgs
 
-from vllm_gdn_hs import launch
+from vllm_gdn_hs.cli import launch
 from vllm_gdn_hs.names import CONNECTOR_NAME
 
 

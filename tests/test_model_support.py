@@ -12,8 +12,8 @@ import harness
 import pytest
 from tiny_models import FAMILIES, write_config
 
-from vllm_gdn_hs import launch
-from vllm_gdn_hs.doctor import model_checks
+from vllm_gdn_hs.cli import launch
+from vllm_gdn_hs.cli.doctor import model_checks
 from vllm_gdn_hs.model_support import aux_outputs_problem, has_aux_outputs, registered_classes
 from vllm_gdn_hs.names import CONNECTOR_NAME
 

@@ -154,11 +154,11 @@ def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_pa
 
 def test_fp8_objects_hold_the_fp8_files_tensors(hybrid_model, master, tmp_path):
     """mooncake-fp8: each object holds the fp8 file's three tensors bit for bit (hs-connectors'
-    stock reader returns them as stored); vllm_gdn_hs.train's reader returns what hs-connectors'
+    stock reader returns them as stored); vllm_gdn_hs.cli.train's reader returns what hs-connectors'
     FP8Transfer reads from the file: bf16, no scales."""
     from hs_connectors.transfer import FP8Transfer
 
-    from vllm_gdn_hs.train import MooncakeFP8Transfer
+    from vllm_gdn_hs.cli.train import MooncakeFP8Transfer
 
     file_eng = RowsEngine(hybrid_model, str(tmp_path / "files"), fp8=True)
     mc_eng = mooncake_engine(hybrid_model, tmp_path, master.address, fp8=True)
@@ -194,8 +194,8 @@ def test_fp8_objects_hold_the_fp8_files_tensors(hybrid_model, master, tmp_path):
 
 TRAINER = """
 import argparse, json, sys
-import vllm_gdn_hs.train as ours
-ours.register()  # what python -m vllm_gdn_hs.train does before speculators' config loads
+import vllm_gdn_hs.cli.train as ours
+ours.register()  # what python -m vllm_gdn_hs.cli.train does before speculators' config loads
 from hs_connectors.transfer import HiddenStatesBackend
 from speculators.train.config import TrainConfig
 import torch
@@ -211,7 +211,7 @@ torch.save({"type": type(transfer).__name__, "vllm": "vllm" in sys.modules, **sa
 
 
 def test_speculators_trainer_reads_fp8_objects(hybrid_model, master, tmp_path):
-    """speculators' own training config, in a fresh interpreter with vllm_gdn_hs.train's backend
+    """speculators' own training config, in a fresh interpreter with vllm_gdn_hs.cli.train's backend
     registered first: ``--hidden-states-backend mooncake-fp8`` and the --mooncake-* options give
     the reader speculators' main builds, and it returns the sample in bf16."""
     import json
@@ -556,7 +556,7 @@ def test_odd_row_sizes_round_trip(master):
 def test_the_benchmarks_store_takes_every_object(tmp_path, fp8):
     """benchmarks/mooncake_side.py (the bench's mooncake variants): its own master, the
     connector's store writing into it, and the trainer's side counting, reading (fp8: in bf16,
-    with vllm_gdn_hs.train's reader) and removing."""
+    with vllm_gdn_hs.cli.train's reader) and removing."""
     import types
 
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8

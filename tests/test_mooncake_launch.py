@@ -5,7 +5,7 @@ Checks the options, defaults and ``kv_connector_extra_config.mooncake`` against
 hs-connectors' own ``MooncakeBackend`` (what speculators' launcher builds), that vLLM's own
 ``vllm serve`` parser accepts the printed command, that the connector's config validates it,
 and ``mooncake-fp8``: the same options with ``fp8``, as its trainer backend
-(``vllm_gdn_hs.train``) builds the server's config.
+(``vllm_gdn_hs.cli.train``) builds the server's config.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from hs_connectors.transfer import MooncakeBackend
 from test_launch import dry_run, fail, kv_config, mooncake_parser
 
-from vllm_gdn_hs import launch
+from vllm_gdn_hs.cli import launch
 from vllm_gdn_hs.config import HiddenStatesConfig
 
 ARGS = [
@@ -92,8 +92,8 @@ def test_defaults_are_speculators():
 @pytest.mark.parametrize("argv", [[], ARGS], ids=["defaults", "all-options"])
 def test_mooncake_fp8_is_mooncake_with_fp8(capsys, hybrid, monkeypatch, argv):
     """The launcher's ``mooncake-fp8``: speculators' mooncake options plus ``fp8``, which the
-    trainer side's backend (registered by vllm_gdn_hs.train) builds the same way."""
-    from vllm_gdn_hs.train import MooncakeFP8Train
+    trainer side's backend (registered by vllm_gdn_hs.cli.train) builds the same way."""
+    from vllm_gdn_hs.cli.train import MooncakeFP8Train
 
     monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "10.9.9.9")
     cmd = dry_run(capsys, hybrid, "--hidden-states-backend", "mooncake-fp8", *argv)
@@ -150,13 +150,13 @@ _ = argparse
 
 
 def test_train_module_is_speculators_train_with_mooncake_fp8():
-    """``python -m vllm_gdn_hs.train`` (as torchrun -m runs it) is speculators' own train
+    """``python -m vllm_gdn_hs.cli.train`` (as torchrun -m runs it) is speculators' own train
     command, its --hidden-states-backend choices with mooncake-fp8 added."""
     import subprocess
     import sys
 
     run = subprocess.run(
-        [sys.executable, "-m", "vllm_gdn_hs.train", "--help"],
+        [sys.executable, "-m", "vllm_gdn_hs.cli.train", "--help"],
         capture_output=True,
         text=True,
         timeout=300,

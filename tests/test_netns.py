@@ -204,7 +204,7 @@ def test_two_producers_one_trainer(net, hybrid_model):
 
 
 def test_fp8_two_producers(net, hybrid_model):
-    """mooncake-fp8 across hosts, read with vllm_gdn_hs.train's reader in bf16."""
+    """mooncake-fp8 across hosts, read with vllm_gdn_hs.cli.train's reader in bf16."""
     results = run_pipeline(net, hybrid_model, fp8=True, trainer_kw={"fp8": True}, requests=4)
     assert len(results) == 8 and all(r["ok"] for r in results.values())
 

@@ -22,7 +22,7 @@ import threading
 
 import pytest
 
-from vllm_gdn_hs.model_info import packaged_config_path
+from vllm_gdn_hs.cli.model_info import packaged_config_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN36_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")

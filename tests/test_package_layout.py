@@ -150,3 +150,128 @@ def test_no_device_tooling_in_tests():
     assert set(scripts) <= {f"tests/{n}" for n in TESTS_SHELL_SCRIPTS}, (
         f"shell scripts in tests/ other than {sorted(TESTS_SHELL_SCRIPTS)}: {scripts}"
     )
+
+
+# -- rooms by audience -------------------------------------------------------------------------
+AUDIENCES = ("vllm_gdn_hs.cli", "vllm_gdn_hs.verify")  # the command line, verification
+# The package root: its face and the basics every room shares, each with its one job.
+ROOT = {
+    "__init__": "the package face",
+    "plugin": "vLLM's entry point (vllm.general_plugins)",
+    "unsupported": "what the entry point registers on a vLLM it does not support",
+    "names": "the connector's name and module, the logger",
+    "version": "which vLLM is installed, and whether it is supported",
+    "config": "the connector's options, parsed once (config_from)",
+    "layer_ids": "speculators' layer-id rules, the launcher's and the connector's",
+    "model_support": "which of vLLM's model classes give aux hidden states",
+    "files": "the hidden-states file format: names, paths, the write, the header",
+    "locks": "the files' .lock protocol, the writer's and the reader's",
+    "probes": "whether a folder can hold the files",
+    "rows": "the checks of a file's rows",
+    "safetensors_io": "the file writer",
+    "hook": "the seam between the runner patches and the connector",
+}
+
+
+def test_runtime_imports_neither_the_command_line_nor_verification():
+    """vLLM loads the runtime (connector, storage, patch and the basics) in every engine
+    process; the command line and the verification tools import it, never the reverse."""
+    mods = modules()
+    for name, path in mods.items():
+        if name.startswith(AUDIENCES):
+            continue
+        reached = {m for m in imported(path, name, False) if m.startswith(AUDIENCES)}
+        assert not reached, f"{name} (runtime) imports {sorted(reached)}"
+    verify = {n: p for n, p in mods.items() if n.startswith("vllm_gdn_hs.verify")}
+    for name, path in verify.items():
+        reached = {m for m in imported(path, name, False) if m.startswith("vllm_gdn_hs.cli")}
+        assert not reached, f"{name} (verification) imports the command line: {sorted(reached)}"
+
+
+def test_package_root_holds_the_face_and_shared_basics():
+    root = {p.stem for p in PACKAGE.glob("*.py")}
+    assert root <= set(ROOT), f"modules at the root with no shared job: {sorted(root - set(ROOT))}"
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == {"cli", "verify", "connector", "storage", "patch"}, rooms
+
+
+def code_reads(tree: ast.AST, key: str) -> list[int]:
+    """Lines where code reads ``key``: an attribute, a subscript or a ``.get``/``getattr``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == key:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            lines += [node.lineno] * (node.slice.value == key)
+        elif isinstance(node, ast.Call) and any(
+            isinstance(a, ast.Constant) and a.value == key for a in node.args
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_connector_options_are_read_through_config_only():
+    """``kv_connector_extra_config`` is parsed once, in config.py (config_from); every other
+    module takes the typed options, or config.py's helpers for what is not ours."""
+    found = []
+    for name, path in modules().items():
+        if name != "vllm_gdn_hs.config":
+            lines = code_reads(ast.parse(path.read_text()), "kv_connector_extra_config")
+            found += [f"{path.relative_to(REPO)}:{n}" for n in lines]
+    assert not found, f"read kv_connector_extra_config through vllm_gdn_hs.config: {found}"
+
+
+def own_private_names() -> set[str]:
+    """Every private name the package defines outside patch/ (whose wrappers bear the names of
+    the vLLM methods they wrap): functions, classes, module names, attributes."""
+    names = set()
+    for path in modules().values():
+        if path.parent.name == "patch":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+@pytest.mark.parametrize("room", ["patch", "storage"])
+def test_no_reach_into_private_names_across_modules(room):
+    """A seam is a public method or a Protocol: ``patch/`` and ``storage/`` take no private name
+    of another module of ours (an attribute, a getattr string, an import). vLLM's own private
+    methods, which the patches wrap, are not ours."""
+    ours, found = own_private_names(), []
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            reach = None
+            if isinstance(node, ast.Attribute) and node.attr in ours:
+                base = ast.unparse(node.value)
+                reach = None if base in ("self", "cls") else f"{base}.{node.attr}"
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in (
+                "getattr", "setattr", "hasattr"
+            ):  # fmt: skip
+                key = node.args[1] if len(node.args) > 1 else None
+                if isinstance(key, ast.Constant) and key.value in ours:
+                    base = ast.unparse(node.args[0])
+                    reach = None if base in ("self", "cls") else f"{base}.{key.value}"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm_gdn_hs"):
+                private = [a.name for a in node.names if a.name in ours]
+                reach = f"from {node.module} import {', '.join(private)}" if private else None
+            if reach:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {reach}")
+    assert not found, "reaches into private names of another module:\n" + "\n".join(found)
+
+
+def test_ci_releases_live_beside_ci_and_are_supported():
+    """.ci/run's releases are CI's business: a list beside it, not a name in the runtime; each
+    is a supported release, and the newest supported one is among them."""
+    from vllm_gdn_hs.version import RELEASES
+
+    lines = (REPO / ".ci" / "releases").read_text().splitlines()
+    listed = " ".join(line for line in lines if not line.startswith("#")).split()
+    assert listed and set(listed) <= set(RELEASES) and listed[-1] == RELEASES[-1], listed
+    assert listed == sorted(listed, key=RELEASES.index), "oldest first: .ci/run starts the last"
+    assert "CI_RELEASES" not in (PACKAGE / "version.py").read_text()

@@ -161,7 +161,7 @@ def test_generate_command_is_accepted_by_speculators():
 def test_server_command_is_accepted_by_our_launcher_and_vllm(hybrid_model, backend):
     from harness import serve_parser
 
-    from vllm_gdn_hs import launch
+    from vllm_gdn_hs.cli import launch
 
     cmd = pipeline.server_command(hybrid_model, "/data/hs", 8123, backend)
     assert cmd[1:4] == ["-m", "vllm_gdn_hs.cli", "launch"]

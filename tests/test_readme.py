@@ -5,7 +5,7 @@ The README's shell commands, run against a tiny model, so that they keep matchin
 The fenced (and indented) shell blocks of README.md are split into commands. The README's model
 (``Qwen/Qwen3.6-27B``) and the folder (``qwen3.6-config``) that its ``vllm-gdn-hs config``
 command writes, offline, become that folder, which holds only Qwen3.6-27B's config.json
-(vllm_gdn_hs/configs/qwen3.6-27b.json: its published dimensions); the
+(vllm_gdn_hs/cli/configs/qwen3.6-27b.json: its published dimensions); the
 hidden-states folder (``/data/hidden_states``) becomes a temp folder. Then every command that
 needs no GPU runs: each ``vllm-gdn-hs launch`` with ``--dry-run`` (it must print a pastable
 ``vllm serve`` command that vLLM's own parser takes, and the output shown in the README),
@@ -31,9 +31,9 @@ from importlib import metadata
 import pytest
 from tiny_models import build_tiny_hybrid
 
+from vllm_gdn_hs.cli.launch import make_parser, parse_args
+from vllm_gdn_hs.cli.model_info import packaged_config_path
 from vllm_gdn_hs.config import HiddenStatesConfig, RequestParams
-from vllm_gdn_hs.launch import make_parser, parse_args
-from vllm_gdn_hs.model_info import packaged_config_path
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import RELEASES, engine_wait_from_env
 

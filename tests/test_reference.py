@@ -1,6 +1,6 @@
 """Run: python -m pytest tests/test_reference.py -q (CPU, no network)
 
-The GPU suite's bar (vllm_gdn_hs.reference), on HF transformers run on the CPU in fp32
+The GPU suite's bar (vllm_gdn_hs.verify.reference), on HF transformers run on the CPU in fp32
 and bf16 on the same tiny random-weight models: per run and layer, ours' error against HF
 fp32 pooled over the run's files may be at most BAR_FACTOR x HF bf16's, and per file at
 most GROSS_FACTOR x. It must pass HF's own runs and fail the bugs the suite is there to
@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_models import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
-from vllm_gdn_hs.reference import (
+from vllm_gdn_hs.verify.reference import (
     BAR_FACTOR,
     GROSS_FACTOR,
     HFReference,

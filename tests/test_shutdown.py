@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import hybrid_config_dict, write_config
 
-from vllm_gdn_hs import check, files, launch, serve_args
+from vllm_gdn_hs import files, locks
+from vllm_gdn_hs.cli import launch, serve_args
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector import worker as worker_mod
 from vllm_gdn_hs.connector.metadata import (
@@ -34,6 +35,7 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
+from vllm_gdn_hs.verify import check
 
 L, H = 2, 8
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shutdown_child.py")
@@ -66,7 +68,7 @@ def serve(worker, folder, names: list[str], answer: bool = True) -> dict[str, st
 
 
 def lock_of(path: str) -> str:
-    return path + files.LOCK_SUFFIX
+    return path + locks.LOCK_SUFFIX
 
 
 def test_close_writes_every_answered_request_queued_before_it(tmp_path, monkeypatch):
@@ -90,7 +92,7 @@ def test_close_writes_every_answered_request_queued_before_it(tmp_path, monkeypa
     w.close()
     for path in paths.values():
         assert load_file(path)["token_ids"].tolist() == [1, 2, 3, 4]
-        assert not files.lock_held(lock_of(path))
+        assert not locks.lock_held(lock_of(path))
     assert (w.stats.files, w.stats.lost_at_shutdown) == (12, 0)
 
 
@@ -170,7 +172,7 @@ def test_a_signalled_process_writes_every_answered_file(tmp_path, sig, at):
     out = check.scan(str(folder))
     assert out["problems"] == {}, dict(out["problems"])
     assert set(answered) <= set(out["complete_paths"]), set(answered) - set(out["complete_paths"])
-    assert not any(files.lock_held(lock_of(p)) for p in answered)
+    assert not any(locks.lock_held(lock_of(p)) for p in answered)
     shut = re.search(r"shut down; (\d+) files .* (\d+) aborted", log)
     assert shut and int(shut[1]) >= len(answered) and "lost at shutdown" not in log, log[-3000:]
 

@@ -24,7 +24,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import RequestStatus
 
-from vllm_gdn_hs import serve_args
+from vllm_gdn_hs import config
 from vllm_gdn_hs.patch import shutdown
 
 
@@ -51,7 +51,7 @@ def test_the_plugin_gives_vllm_drain_mode_its_window(hybrid_model, tmp_path):
     """vLLM's default --shutdown-timeout 0 (abort at once) becomes the drain's window."""
     args = harness.engine_args(hybrid_model, storage=str(tmp_path))
     args.kv_transfer_config["kv_connector_extra_config"]["shutdown_drain_s"] = 45
-    assert args.create_engine_config().shutdown_timeout == serve_args.shutdown_window(45) == 120
+    assert args.create_engine_config().shutdown_timeout == config.shutdown_window(45) == 120
     args.shutdown_timeout = 60  # the user's, kept (with a warning)
     assert args.create_engine_config().shutdown_timeout == 60
     other = harness.engine_args(hybrid_model, connector=None, layer_ids=None)

@@ -23,7 +23,7 @@ import soak  # tools/gpu_runs/soak.py (the same)
 import torch
 from tiny_models import hybrid_config_dict, write_config
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks
 from vllm_gdn_hs.config import request_params
 
 TEXTS = ["hi", "héllo wörld 名前 🙂", "a\nb\tc <|im_end|> {{ x }}", "x" * 300]
@@ -222,11 +222,11 @@ def test_check_is_parsed(tmp_path):
     os.makedirs(folder)
     for name in ("a", "b"):
         path = files.request_path(folder, name)
-        fd = files.take_lock(path)
+        fd = locks.take_lock(path)
         files.write_file(path, torch.ones(3, 4, 8, dtype=torch.bfloat16), torch.arange(3))
-        files.release_lock(fd, path, remove=False)
-        files.wait_for_file(path)
-    open(files.request_path(folder, "lost") + files.LOCK_SUFFIX, "w").close()
+        locks.release_lock(fd, path, remove=False)
+        locks.wait_for_file(path)
+    open(files.request_path(folder, "lost") + locks.LOCK_SUFFIX, "w").close()
     check = soak.run_check(folder, str(tmp_path / "list.txt"))
     assert check["complete"] == 2 and check["problems"] == {"lost": 1} and check["rc"] == 1
 
@@ -235,21 +235,21 @@ def test_a_file_is_checked_with_the_hf_reference(tmp_path):
     """The soak's read-and-check of one file with the real HFReference (CPU here)."""
     from tiny_models import build_tiny_hybrid
 
-    import vllm_gdn_hs.reference as reference
+    import vllm_gdn_hs.verify.reference as reference
 
     if not hasattr(reference, "HFReference"):
-        pytest.skip("vllm_gdn_hs.reference.HFReference not there yet")
+        pytest.skip("vllm_gdn_hs.verify.reference.HFReference not there yet")
     ref = reference.HFReference(build_tiny_hybrid(str(tmp_path / "m")), soak.LAYER_IDS, "cpu")
     folder = str(tmp_path / "hs")
     client = soak.Soak("http://unused", "m", folder, ref)
     seq = list(range(3, 40))
     for name, rows in [("good", ref(seq)[1]), ("shifted", ref([1] + seq[:-1])[1])]:
         path = files.request_path(folder, name)
-        files.release_lock(files.take_lock(path), path, remove=False)
+        locks.release_lock(locks.take_lock(path), path, remove=False)
         files.write_file(path, rows, torch.tensor(seq))
         verdict = client._read_and_check({}, path, seq)
         assert (verdict == "ok") == (name == "good"), verdict
-    assert not os.path.exists(path + files.LOCK_SUFFIX) and os.path.exists(path)  # read, kept
+    assert not os.path.exists(path + locks.LOCK_SUFFIX) and os.path.exists(path)  # read, kept
     assert reference.worst_by_layer(client.checks)["worst_ratio"] > 1
 
 
@@ -353,12 +353,12 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
             rows = torch.ones(len(seq), 4, 8, dtype=torch.bfloat16)
             fd = None
             try:  # the folder deletion may take the file, as it may the connector's
-                fd = files.take_lock(path)
+                fd = locks.take_lock(path)
                 files.write_file(path, rows, torch.tensor(seq))
             except Exception:  # safetensors' error for a vanished folder is no OSError
                 pass
             finally:
-                files.release_lock(fd, path, remove=False)
+                locks.release_lock(fd, path, remove=False)
         choice = {"token_ids": outputs, "prompt_token_ids": prompt}
         self._reply(
             200, {"choices": [choice], "prompt_token_ids": prompt, "kv_transfer_params": out}
@@ -403,7 +403,7 @@ def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     import tiny_models
     from transformers import AutoTokenizer
 
-    import vllm_gdn_hs.reference
+    import vllm_gdn_hs.verify.reference
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -411,7 +411,7 @@ def test_main_against_a_fake_server(tmp_path, monkeypatch, leak):
     monkeypatch.setattr(soak, "LOCK_GRACE_S", 0)
     refs: list[FakeReference] = []
     monkeypatch.setattr(
-        vllm_gdn_hs.reference,
+        vllm_gdn_hs.verify.reference,
         "HFReference",
         lambda *a, **kw: refs.append(FakeReference()) or refs[-1],
     )

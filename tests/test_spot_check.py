@@ -26,11 +26,12 @@ from tiny_models import (
     family_config_dict,
 )
 
-from vllm_gdn_hs.check import run_spot_check, sample, scan
-from vllm_gdn_hs.checkpoint import load_text_model
 from vllm_gdn_hs.cli import main
-from vllm_gdn_hs.files import release_lock, request_path, take_lock, write_file
-from vllm_gdn_hs.reference import HFReference
+from vllm_gdn_hs.files import request_path, write_file
+from vllm_gdn_hs.locks import release_lock, take_lock
+from vllm_gdn_hs.verify.check import run_spot_check, sample, scan
+from vllm_gdn_hs.verify.checkpoint import load_text_model
+from vllm_gdn_hs.verify.reference import HFReference
 
 LAYERS = [1, 3, 6, 8]
 _rng = random.Random(5)

@@ -1,10 +1,10 @@
 """Tiny random-weight model folders for the tests and the GPU suite (test code, not in the
 package). Built locally with transformers: nothing is downloaded.
 
-The hybrid is the demo's model (:func:`vllm_gdn_hs.demo.tiny_hybrid_config`: Qwen3.5's
+The hybrid is the demo's model (:func:`vllm_gdn_hs.cli.demo.tiny_hybrid_config`: Qwen3.5's
 architecture, GDN layers with a full-attention layer every 4th, and a tiny vision tower that
 vLLM skips with ``language_model_only=True``); the dense one is Qwen3. Weights are saved in
-the checkpoint layout :mod:`vllm_gdn_hs.checkpoint` loads.
+the checkpoint layout :mod:`vllm_gdn_hs.verify.checkpoint` loads.
 
 :data:`FAMILIES`: one tiny model per hybrid family users train drafters for (issue 56), each
 built by HF transformers' own class: Qwen3.5 dense (the demo's), Qwen3.5-MoE (multimodal and
@@ -15,8 +15,8 @@ Hopper takes (the demo's 64 need ``gdn_prefill_backend: triton``).
 
 from __future__ import annotations
 
-from vllm_gdn_hs.checkpoint import save_random_checkpoint, write_config
-from vllm_gdn_hs.demo import tiny_hybrid_config as hybrid_config_dict
+from vllm_gdn_hs.cli.demo import tiny_hybrid_config as hybrid_config_dict
+from vllm_gdn_hs.verify.checkpoint import save_random_checkpoint, write_config
 
 __all__ = [
     "CPU_FAMILIES",

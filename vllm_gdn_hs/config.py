@@ -3,6 +3,8 @@ the launcher can check them before vLLM starts without importing torch or vLLM."
 
 from __future__ import annotations
 
+import math
+
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -130,6 +132,49 @@ def extraction_config(
         "speculative_config": speculative_config(layer_ids),
         "kv_transfer_config": kv_transfer_config(connector, shared_storage_path=storage, **options),
     }
+
+
+def extra_config(kv_transfer_config) -> dict:
+    """``kv_connector_extra_config`` of a KV transfer config (vLLM's object, a dict, or None) as
+    given, unchecked: the one place that reads it. Readers take :func:`config_from`; this is for
+    the patch that fills it in and for options of others (``MultiConnector``'s)."""
+    if isinstance(kv_transfer_config, dict):
+        extra = kv_transfer_config.get("kv_connector_extra_config")
+    else:
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    return extra if extra is not None else {}
+
+
+def config_from(config) -> HiddenStatesConfig:
+    """The connector's options, checked, from vLLM's engine config or a KV transfer config (the
+    object or a dict); ValueError naming each bad option."""
+    kv = getattr(config, "kv_transfer_config", config)
+    try:
+        return HiddenStatesConfig(**extra_config(kv))
+    except Exception as e:
+        raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
+
+
+def configured_layer_ids(kv_transfer_config) -> list[int]:
+    """The layer ids in the options, before the connector checks them (a patch reads them at
+    config time, where an error is not its to raise)."""
+    return list(extra_config(kv_transfer_config).get("layer_ids") or [])
+
+
+def sub_connectors(kv_transfer_config) -> list[dict]:
+    """The connectors ``MultiConnector`` runs (its ``connectors`` option), each a dict."""
+    subs = extra_config(kv_transfer_config).get("connectors") or ()
+    return [c for c in subs if isinstance(c, dict)]
+
+
+# -- shutdown: the time an engine core process needs after SIGTERM ---------------------------
+TEARDOWN_S = 30  # vLLM's teardown after the drain
+
+
+def shutdown_window(drain_s: float) -> int:
+    """Seconds an engine core process needs between SIGTERM and exit: ``drain_s`` for the
+    running requests to finish, ``drain_s`` for their files, and vLLM's teardown."""
+    return 2 * math.ceil(drain_s) + TEARDOWN_S
 
 
 def is_ours(kv_transfer_config) -> bool:

@@ -1,36 +1,28 @@
-"""The hidden-states file contract (no torch at import): names, paths, locks, writes, headers.
+"""The hidden-states file format (no torch at import): names, paths, the write, the header.
 
 As speculators and vLLM's ``ExampleHiddenStatesConnector`` define it: ``<name>.safetensors``
-with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64 in the folder; the writer
-``flock``s ``<file>.lock`` before the response leaves and releases it once the file is
-complete; the reader takes it, deletes it, reads the file. Request ids come from the network:
+with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64 in the folder, complete once its
+``<file>.lock`` is released (:mod:`vllm_gdn_hs.locks`). Request ids come from the network:
 :func:`file_name` makes a name that cannot leave the folder; :func:`inside` checks every path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
-import logging
 import math
 import os
 import re
-import shutil
 import stat
 import struct
-import tempfile
 import threading
-import time
 
 from vllm_gdn_hs import safetensors_io
+from vllm_gdn_hs.locks import make_folder_again, wait_for_file
 
 SUFFIX = ".safetensors"
-SCALES = "hidden_states_scales"  # fp8 files: one fp32 scale per token (hs-connectors' name)
-_LOGGER = "vllm.vllm_gdn_hs.files"  # inside vLLM's logger tree, as init_logger names ours
-LOCK_SUFFIX = ".lock"
+SCALES = "hidden_states_scales"  # fp8: hs-connectors' fp8_utils.SCALES_KEY (which imports torch)
 # A name's stem is at most this long: with the suffixes (.safetensors.lock, our temp
 # suffix .tmp-<pid>-<thread>) it stays within the usual 255-byte limit of a file name.
 MAX_STEM = 160
@@ -104,99 +96,6 @@ def file_mode() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
     return 0o666 & ~mask
-
-
-# -- the lock ----------------------------------------------------------------------------
-def take_lock(path: str) -> int:
-    """Create and ``flock`` ``<path>.lock`` (exclusive, never waiting: BlockingIOError if held);
-    returns its descriptor. A missing folder is made again (a cleanup job may have removed it)."""
-    lock = path + LOCK_SUFFIX
-    flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW
-    try:
-        fd = os.open(lock, flags, 0o666)
-    except FileNotFoundError:
-        make_folder_again(os.path.dirname(lock))
-        fd = os.open(lock, flags, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException as e:
-        os.close(fd)
-        if isinstance(e, BlockingIOError):
-            raise BlockingIOError(errno.EWOULDBLOCK, "another process holds it", lock) from None
-        raise
-    return fd
-
-
-def make_folder_again(folder: str) -> None:
-    """Make a folder that vanished during a run (logged each time it is made)."""
-    try:
-        os.makedirs(folder)
-    except FileExistsError:  # another thread made it first
-        return
-    logging.getLogger(_LOGGER).warning(
-        "hidden-states folder %s was removed during the run; made it again", folder
-    )
-
-
-def release_lock(fd: int | None, path: str, remove: bool) -> None:
-    """Let go of ``<path>.lock``; ``remove``: delete it first (no file will come, so a reader
-    fails at once instead of waiting)."""
-    if fd is None:  # use_synchronization_lock off: no lock file was made
-        return
-    try:
-        if remove:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path + LOCK_SUFFIX)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def lock_held(lock_path: str) -> bool | None:
-    """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
-    shared lock, released at once (a writer taking it meanwhile waits microseconds)."""
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def take_finished(path: str) -> bool:
-    """One non-blocking step of speculators' reader: False while a writer holds the lock; else
-    take and delete it and require the file (FileNotFoundError: the write failed or aborted)."""
-    try:
-        fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        pass  # no lock (any more): the writer is done
-    else:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        release_lock(fd, path, remove=True)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no hidden-states file at {path} (write failed or aborted?)")
-    return True
-
-
-def wait_for_file(path: str, timeout: float = 10.0) -> None:
-    """Poll :func:`take_finished` for up to ``timeout`` s, as speculators' reader does."""
-    deadline = time.monotonic() + timeout
-    while not take_finished(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path}{LOCK_SUFFIX} still held after {timeout} s")
-        time.sleep(0.01)
 
 
 def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
@@ -311,40 +210,3 @@ def hidden_states_of(data: dict):
     from hs_connectors.fp8_utils import dequantize_fp8_tensor
 
     return dequantize_fp8_tensor(data["hidden_states"], data[SCALES])
-
-
-def check_storage_path(path: str, make: bool = True) -> str | None:
-    """Why ``path`` cannot hold hidden-states files, or None: a file is made and removed in it
-    (the folder made if missing). With ``make=False`` nothing is left behind: the path's missing
-    part is made under a temporary name in the nearest folder that exists, then removed."""
-    if make:
-        return _probe(path, make=True)
-    parent = path
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{os.strerror(errno.ENOTDIR)}: {parent!r}"
-    if parent == path:
-        return _probe(path, make=False)
-    try:
-        scratch = tempfile.mkdtemp(prefix=".vllm-gdn-hs-probe-", dir=parent)
-    except OSError as e:
-        return f"no folder can be made in {parent}: {e.strerror}"
-    try:  # the same depth and names below the first missing folder, as the launch makes them
-        below = os.path.relpath(path, parent).split(os.sep)[1:]
-        return _probe(os.path.join(scratch, *below), make=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _probe(folder: str, make: bool) -> str | None:
-    """Make ``folder`` (with ``make``) and a file in it, then remove the file."""
-    probe = os.path.join(folder, f".write-probe-{os.getpid()}")
-    try:
-        if make:
-            os.makedirs(folder, exist_ok=True)
-        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600))
-        os.remove(probe)
-    except OSError as e:
-        return str(e)
-    return None

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from vllm_gdn_hs.config import sub_connectors
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,16 +38,54 @@ class TakesHiddenStates(Protocol):
         runner's ``profile_run``, so that the KV cache is sized with its temporaries."""
 
 
+class RowSlot(Protocol):
+    """A step's rows in pinned host memory, which the runner fills a layer at a time."""
+
+    def fill_layer(self, column: int, rows: torch.Tensor) -> None:
+        """Copy one layer's rows [tokens, H] (on the GPU) into column ``column``."""
+
+    def release(self) -> None:
+        """Give the slot back unused (the step failed before its hand-over)."""
+
+
 @runtime_checkable
 class TakesLayerRows(TakesHiddenStates, Protocol):
     """A connector that also takes a step's rows layer by layer, during its forward pass."""
 
-    def take_rows(self, num_tokens: int) -> Any:
+    def take_rows(self, num_tokens: int) -> RowSlot | None:
         """A pinned host slot for a step's rows that the runner fills a layer at a time, or
         None where the connector wants them stacked (a rank that does not write, fp8)."""
 
-    def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+    def save_taken_rows(
+        self,
+        slot: RowSlot,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        norms: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         """After the forward pass that filled ``slot``: its norms and positions."""
+
+
+class DrainsAtShutdown(Protocol):
+    """What the shutdown patch (patch/shutdown.py) needs of the connector's scheduler side."""
+
+    @property
+    def drain_s(self) -> float:
+        """Seconds for the running requests to finish, and as long again for their files."""
+
+    def refuse(self, reason: str) -> None:
+        """The reason the requests aborted from now on give in their responses."""
+
+    def abort_params(self, request_id: str) -> dict[str, Any] | None:
+        """An aborted request's ``kv_transfer_params`` for its response, once."""
+
+
+@runtime_checkable
+class HasShutdownDrain(Protocol):
+    """A connector whose scheduler side drains at shutdown (None on the worker side)."""
+
+    def shutdown_drain(self) -> DrainsAtShutdown | None: ...
 
 
 def hidden_states_connector(connector: object) -> TakesHiddenStates:
@@ -66,9 +106,8 @@ def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     kv = vllm_config.kv_transfer_config
-    subs = (getattr(kv, "kv_connector_extra_config", None) or {}).get("connectors") or ()
     names = [getattr(kv, "kv_connector", None)]
-    names += [c.get("kv_connector") for c in subs if isinstance(c, dict)]
+    names += [c.get("kv_connector") for c in sub_connectors(kv)]
     for name in filter(None, names):
         try:
             cls = KVConnectorFactory.get_connector_class_by_name(name)

@@ -24,8 +24,6 @@ RELEASES = (
     "0.34.0",
 )  # fmt: skip
 REFUSED: dict[str, str] = {}
-# .ci/run's releases: the first, the last with vLLM's V1 runner, and the newest.
-CI_RELEASES = ("0.20.1", "0.33.0", "0.34.0")
 NEEDS_OVERRIDES = ("0.34.0",)
 # Which runner extraction runs on: Model Runner V2 from 0.33.0, vLLM's default there (its patch
 # is written against 0.33.0's runner); V1 up to 0.33.0 (0.34.0 deleted it). On 0.33.0, V1 by

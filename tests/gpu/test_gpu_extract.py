@@ -10,7 +10,7 @@ chunked prefill, 80 requests in one batch, eager and CUDA-graph mode (with one-t
 prompts in steps of one token per request: alone and among decodes), vLLM's
 default scheduling, include_output_tokens, preemption, an abort, and the KV
 cache capacity against the same engine without extraction.
-Judged against HF run in fp32 on the same bf16 weights (vllm_gdn_hs.reference): each
+Judged against HF run in fp32 on the same bf16 weights (vllm_gdn_hs.verify.reference): each
 file complete and sane, per layer within GROSS_FACTOR x HF bf16's own error; each run
 (one _check batch) per layer within BAR_FACTOR x HF bf16's error, both pooled over the
 run's files. RESULTS keeps, per run and layer, the pooled errors of ours and of HF bf16.
@@ -31,8 +31,9 @@ import torch
 from tiny_models import build_deep_hybrid, build_tiny_dense, build_tiny_hybrid
 
 from vllm_gdn_hs.config import extraction_config
-from vllm_gdn_hs.files import hidden_states_of, load_hidden_states, lock_held, read_header
-from vllm_gdn_hs.reference import (
+from vllm_gdn_hs.files import hidden_states_of, load_hidden_states, read_header
+from vllm_gdn_hs.locks import lock_held
+from vllm_gdn_hs.verify.reference import (
     BAR_FACTOR,
     GROSS_FACTOR,
     HFReference,
@@ -56,7 +57,7 @@ RESULTS: dict = {}
 
 
 def describe(worst: dict) -> str:
-    """One line for a :func:`~vllm_gdn_hs.reference.worst_by_layer` result, for the log."""
+    """One line for a :func:`~vllm_gdn_hs.verify.reference.worst_by_layer` result, for the log."""
     if not worst:
         return "no file to compare"
     return (

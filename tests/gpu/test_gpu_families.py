@@ -7,7 +7,7 @@ Each family's tiny model is built here (random weights, HF transformers' own cla
 downloaded) and served twice: eager with chunked prefill (128-token steps) and with CUDA graphs;
 HMA on, layer ids 0 and N in an unsorted order, prompts of 1 to 300 tokens, include_output_tokens
 on two of them. Every file is held to HF fp32 on the same weights with the project's bar
-(vllm_gdn_hs.reference: per file within GROSS_FACTOR x HF bf16's error, pooled per run within
+(vllm_gdn_hs.verify.reference: per file within GROSS_FACTOR x HF bf16's error, pooled per run within
 BAR_FACTOR x). GDN prefill: vLLM's default kernel (the new families' GDN heads are 128 wide) unless
 VLLM_GDN_HS_GDN_PREFILL names one (e.g. triton); Qwen3.5 dense's 64-wide heads take triton.
 The JSON record (VLLM_GDN_HS_RESULTS, default tests/results/gpu-families.json) is rewritten after
@@ -30,7 +30,7 @@ from tiny_models import FAMILIES, build_model
 
 from vllm_gdn_hs.config import extraction_config
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import BAR_FACTOR, GROSS_FACTOR, HFReference, worst_by_layer
+from vllm_gdn_hs.verify.reference import BAR_FACTOR, GROSS_FACTOR, HFReference, worst_by_layer
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ Run on a CUDA machine with the plugin installed:
 Optional: SPECULATORS_SITE=/path/to/site with the speculators wheel unpacked, to
 drive the server with speculators' own client (speculators.data_generation.vllm_client).
 Set VLLM_GDN_HS_LAUNCH_RESULTS=/path.json to keep the figures.
-Files are judged against HF fp32 on the same weights (vllm_gdn_hs.reference): each file
+Files are judged against HF fp32 on the same weights (vllm_gdn_hs.verify.reference): each file
 within the per-file bound, then each test's files, pooled, within the bar.
 """
 
@@ -25,7 +25,7 @@ from test_gpu_extract import assert_pooled, describe, pooled_figures
 from tiny_models import build_tiny_hybrid
 
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
+from vllm_gdn_hs.verify.reference import HFReference, describe_pooled, worst_by_layer
 
 pytestmark = pytest.mark.gpu
 

@@ -33,7 +33,7 @@ import pytest
 from safetensors.torch import load_file
 from tiny_models import build_tiny_hybrid
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import locks
 
 pytestmark = pytest.mark.gpu
 
@@ -131,7 +131,7 @@ def test_stopped_at_once_loses_no_answered_file(tmp_path, tiny_model, sig, group
         prompt, max_tokens = plan[i]
         seq = prompt + (a["outputs"][:-1] if max_tokens > 1 else [])
         assert os.path.exists(path), f"answered file missing: {path}\n{text[-4000:]}"
-        assert not files.lock_held(path + files.LOCK_SUFFIX)
+        assert not locks.lock_held(path + locks.LOCK_SUFFIX)
         assert load_file(path)["token_ids"].tolist() == seq, path
     shut = re.findall(r"HybridHiddenStatesConnector: (shut down; .*)", text)
     assert shut and "lost at shutdown" not in shut[-1], text[-4000:]
@@ -146,7 +146,7 @@ def test_stopped_at_once_loses_no_answered_file(tmp_path, tiny_model, sig, group
 # must exit within the drain window + 10 s and `vllm-gdn-hs check` find nothing wrong. The
 # figures go to tests/results/.
 
-DRAIN_S = 20  # shutdown_drain_s: window W = 2 x 20 + 30 = 70 s (serve_args.shutdown_window)
+DRAIN_S = 20  # shutdown_drain_s: window W = 2 x 20 + 30 = 70 s (config.shutdown_window)
 IN_FLIGHT = 64  # request i decodes 16 + 64 * (i % 8) tokens: most still run at the signal
 
 
@@ -230,7 +230,7 @@ def launched_root() -> str:
 def test_sigterm_with_requests_running_answers_each_with_file_or_reason(
     tmp_path, tiny_model, how, second
 ):
-    from vllm_gdn_hs.serve_args import shutdown_window
+    from vllm_gdn_hs.cli.serve_args import shutdown_window
 
     window = shutdown_window(DRAIN_S)
     storage, log_path = tmp_path / "hs", tmp_path / "server.log"
@@ -295,7 +295,7 @@ def test_sigterm_with_requests_running_answers_each_with_file_or_reason(
                         problems.append(f"request {i}: {path} holds other token ids")
                 except Exception as e:
                     problems.append(f"request {i}: {path}: {e}")
-                if files.lock_held(path + files.LOCK_SUFFIX):
+                if locks.lock_held(path + locks.LOCK_SUFFIX):
                     problems.append(f"request {i}: {path} still locked")
                 kinds["file"] += 1
             else:

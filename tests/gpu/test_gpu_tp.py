@@ -2,7 +2,7 @@
 data parallelism behind `vllm-gdn-hs launch` writes every request's file from either engine.
 
 Asserted: one complete file per request and no temp file (only rank 0 writes), the
-same token ids as TP=1, and TP=1 and TP=2 each against HF fp32 (vllm_gdn_hs.reference:
+same token ids as TP=1, and TP=1 and TP=2 each against HF fp32 (vllm_gdn_hs.verify.reference:
 every file within the per-file bound, each run's errors pooled over its files within the
 bar), not against each other. Recorded: both runs' pooled errors per layer, of ours and
 of HF bf16, and the TP=2 vs TP=1 difference
@@ -51,7 +51,7 @@ from test_gpu_launch import (  # noqa: F401
 )
 
 from vllm_gdn_hs.files import load_hidden_states
-from vllm_gdn_hs.reference import describe_pooled, relative_errors, worst_by_layer
+from vllm_gdn_hs.verify.reference import describe_pooled, relative_errors, worst_by_layer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,7 @@ downloaded; the chat dataset is written here from a fixed seed. Every speculator
 4. ``speculators train`` of a tiny EAGLE-3 and a tiny DFlash drafter (``--steps``) on each
    backend's files (the trainer's reader: ``--hidden-states-backend file|fp8``);
 5. the same training on files of a small HF-transformers extractor (bf16, the same weights,
-   forward hooks: ``vllm_gdn_hs.reference``), ``--seeds`` seeds of each for the run-to-run
+   forward hooks: ``vllm_gdn_hs.verify.reference``), ``--seeds`` seeds of each for the run-to-run
    noise.
 
 Writes DIR/pipeline.json (each step's status and seconds, each run's losses, the noise, ours
@@ -573,7 +573,7 @@ def hf_extract(model_dir: str, prepared: str, out: str) -> dict:
     from datasets import load_from_disk
 
     from vllm_gdn_hs.files import write_file
-    from vllm_gdn_hs.reference import hf_hidden_states, load_hf_model
+    from vllm_gdn_hs.verify.reference import hf_hidden_states, load_hf_model
 
     os.makedirs(out, exist_ok=True)
     model = load_hf_model(model_dir, "cuda", torch.bfloat16)

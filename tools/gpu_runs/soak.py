@@ -629,7 +629,7 @@ def main(argv=None) -> int:
     from tiny_models import build_tiny_hybrid
     from transformers import AutoTokenizer
 
-    from vllm_gdn_hs.reference import HFReference, worst_by_layer
+    from vllm_gdn_hs.verify.reference import HFReference, worst_by_layer
 
     t0 = time.monotonic()
     out = os.path.abspath(args.out)

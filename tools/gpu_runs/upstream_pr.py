@@ -13,7 +13,7 @@ accuracy: per model (tiny Qwen3.5 hybrid, tiny Qwen3 dense; tests/tiny_models.py
 connector and ExampleHiddenStatesConnector, each in eager and in CUDA-graph mode, each asked as
 speculators asks (`extract_hidden_states`), for the same prompts, prompt-only and with
 include_output_tokens. Each run is judged against HF transformers fp32 on the same weights
-(vllm_gdn_hs.reference: per layer, pooled over the run's files, within 1.1 x HF bf16's own
+(vllm_gdn_hs.verify.reference: per layer, pooled over the run's files, within 1.1 x HF bf16's own
 error), and the PR's files against Example's of the same mode, row by row over the tokens both
 hold.
 
@@ -137,7 +137,7 @@ def run_engine(model, kind, connector, storage, eager, tp: int = 1) -> dict:
 
 
 def _layer_errors(got, ref) -> list[float]:
-    from vllm_gdn_hs.reference import relative_errors
+    from vllm_gdn_hs.verify.reference import relative_errors
 
     return [round(e, 5) for e in relative_errors(got, ref)]
 
@@ -146,7 +146,7 @@ def judge_vs_hf(reference, paths: list, prompts: list, outputs: bool) -> tuple[d
     """The run's files against HF fp32 (the bar), as tests/gpu/test_gpu_extract.py does: each
     holds its prompt, and with ``outputs`` also all generated tokens but the last."""
     from vllm_gdn_hs.files import load_hidden_states
-    from vllm_gdn_hs.reference import worst_by_layer
+    from vllm_gdn_hs.verify.reference import worst_by_layer
 
     reference.reset()
     checks, problems = [], []
@@ -255,7 +255,7 @@ def run_and_judge(results, failed, reference, key, model, kind, connector, stora
 def accuracy(out_path: str) -> int:
     from tiny_models import build_tiny_dense, build_tiny_hybrid
 
-    from vllm_gdn_hs.reference import HFReference
+    from vllm_gdn_hs.verify.reference import HFReference
 
     # UPSTREAM_PR_MODES and UPSTREAM_PR_MODELS pick the modes and the tiny models (all by
     # default), so that a short device session can run what an earlier one did not reach.
@@ -333,7 +333,7 @@ def tensor_parallel(out_path: str) -> int:
     import torch
     from tiny_models import build_tiny_hybrid
 
-    from vllm_gdn_hs.reference import HFReference
+    from vllm_gdn_hs.verify.reference import HFReference
 
     if torch.cuda.device_count() < 2:
         print(f"[upstream-pr] tp: needs two GPUs, {torch.cuda.device_count()} visible")
@@ -390,7 +390,7 @@ def bench_one(variant: str, spec_path: str) -> int:
     from workloads import DEFAULT_LAYERS, make_workload, prompt_ids
 
     from vllm_gdn_hs.config import extraction_config
-    from vllm_gdn_hs.files import take_finished
+    from vllm_gdn_hs.locks import take_finished
 
     with open(spec_path) as f:
         spec = json.load(f)

@@ -4,7 +4,7 @@
 # and does not install this project: vLLM runs with its plugins off (VLLM_PLUGINS=), so what
 # runs is stock vLLM plus the patch; this checkout, tests/ and benchmarks/ are on PYTHONPATH
 # only for the test models, the HF reference and the workloads (tests/tiny_models.py,
-# vllm_gdn_hs.reference, benchmarks/workloads.py).
+# vllm_gdn_hs.verify.reference, benchmarks/workloads.py).
 #   1. copies the installed vllm package to $PR_SITE and applies the patch there (git apply,
 #      or patch -p1 where git is missing; no fuzz either way);
 #   2. runs the unit tests the patch adds (CPU tests, run here against the patched copy);

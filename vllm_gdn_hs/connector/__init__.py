@@ -6,12 +6,12 @@ the one speculators reads), but hidden states never live in the paged KV cache, 
 A thin facade, as vLLM's ``OffloadingConnector``: :mod:`.scheduler` decides where each
 request's hidden states go, :mod:`.worker` moves each step's rows from the GPU to the storage,
 :mod:`.metadata` is what the first tells the second each step, :mod:`.checks` the startup
-checks. The runner patches hand the rows over through :class:`vllm_gdn_hs.hook.TakesHiddenStates`.
+checks. The runner patches hand the rows over through :class:`vllm_gdn_hs.hook.TakesLayerRows`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -29,10 +29,10 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
-from vllm_gdn_hs.connector.staging import rows_and_norms
+from vllm_gdn_hs.connector.staging import HostSlot, rows_and_norms
 from vllm_gdn_hs.connector.stats import HiddenStatesKVConnectorStats, HiddenStatesPromMetrics
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
-from vllm_gdn_hs.hook import TakesHiddenStates
+from vllm_gdn_hs.hook import RowSlot, TakesLayerRows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -52,7 +52,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenStates):
+class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRows):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -107,14 +107,22 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         if self._worker is not None:
             self._worker.save(hidden_states, req_ids, query_start_loc_cpu, positions)
 
-    def take_rows(self, num_tokens: int):
+    def take_rows(self, num_tokens: int) -> HostSlot | None:
         if self._worker is None or self.cfg.fp8:  # fp8: a row's scale spans all its layers
             return None
         return self._worker.take(num_tokens)
 
-    def save_taken_rows(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+    def save_taken_rows(
+        self,
+        slot: RowSlot,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        norms: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         assert self._worker is not None, "take_rows gave the slot"
-        self._worker.save_taken(slot, req_ids, query_start_loc_cpu, norms, positions)
+        taken = cast(HostSlot, slot)  # the one take_rows gave: a slot of this worker's ring
+        self._worker.save_taken(taken, req_ids, query_start_loc_cpu, norms, positions)
 
     def wait_for_layer_load(self, layer_name: str) -> None: ...  # nothing is loaded
 
@@ -151,6 +159,10 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesHiddenSt
         )
 
     # -- scheduler side ---------------------------------------------------------------
+    def shutdown_drain(self) -> HybridHiddenStatesConnectorScheduler | None:
+        """The scheduler side, which the shutdown patch drains (hook.DrainsAtShutdown)."""
+        return self._scheduler
+
     def _sched(self) -> HybridHiddenStatesConnectorScheduler:
         if self._scheduler is None:
             raise RuntimeError(f"{type(self).__name__}: a scheduler-side call on the worker side")

@@ -7,22 +7,14 @@ from typing import TYPE_CHECKING
 
 import vllm.envs as envs
 
-from vllm_gdn_hs.config import HiddenStatesConfig
-from vllm_gdn_hs.model_info import validate_layer_ids
+from vllm_gdn_hs.config import HiddenStatesConfig, config_from
+from vllm_gdn_hs.layer_ids import validate_layer_ids
 from vllm_gdn_hs.model_support import aux_outputs_problem
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import requirement, runs_model_runner_v2
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-
-
-def config_from(vllm_config: VllmConfig) -> HiddenStatesConfig:
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    try:
-        return HiddenStatesConfig(**extra)
-    except Exception as e:
-        raise ValueError(f"{CONNECTOR_NAME}: bad kv_connector_extra_config: {e}") from None
 
 
 def validate_vllm_config(

@@ -53,6 +53,18 @@ class HybridHiddenStatesConnectorScheduler:
         self.storage = storage_for(cfg)
         self.storage.open_scheduler_side(RowShape(layer_ids, hidden, dtype))
 
+    @property
+    def drain_s(self) -> float:
+        return self.cfg.shutdown_drain_s
+
+    def refuse(self, reason: str) -> None:
+        """Requests aborted from now on say ``reason`` (the shutdown patch's drain)."""
+        self.abort_reason = reason
+
+    def abort_params(self, request_id: str) -> dict[str, Any] | None:
+        """An aborted request's response params, once (vLLM's abort output has none)."""
+        return self.aborted.pop(request_id, None)
+
     def on_new_request(self, request: Request) -> None:
         """vLLM 0.33.0 reads the params as a dict itself: others are refused and dropped now."""
         params = request.kv_transfer_params

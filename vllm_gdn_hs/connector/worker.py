@@ -17,7 +17,7 @@ import torch
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.drain import Drain, StepRows
 from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
-from vllm_gdn_hs.connector.staging import HostRing
+from vllm_gdn_hs.connector.staging import HostRing, HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
 from vllm_gdn_hs.connector.writer import Writer
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
@@ -52,6 +52,7 @@ class HybridHiddenStatesConnectorWorker:
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
+        self._taken = (0.0, 0.0)  # (seconds waited, when) of the slot take() last gave
 
     # -- engine thread ----------------------------------------------------------------
     def on_metadata(self, meta: HybridHiddenStatesConnectorMetadata) -> None:
@@ -71,14 +72,21 @@ class HybridHiddenStatesConnectorWorker:
         slot, waited = self.ring.copy_out(hidden_states, positions)
         self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
 
-    def take(self, num_tokens: int):
+    def take(self, num_tokens: int) -> HostSlot:
         """A slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
         slot, waited = self.ring.take(num_tokens)
         self._taken = (waited, t0)
         return slot
 
-    def save_taken(self, slot, req_ids, query_start_loc_cpu, norms, positions) -> None:
+    def save_taken(
+        self,
+        slot: HostSlot,
+        req_ids: list[str],
+        query_start_loc_cpu: torch.Tensor,
+        norms: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
         slot.finish(norms, positions)
         self._queue(slot, req_ids, query_start_loc_cpu, *self._taken)
 
@@ -138,7 +146,7 @@ class HybridHiddenStatesConnectorWorker:
         timeout = self.cfg.shutdown_drain_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         self.storage.begin_close()  # e.g. writes waiting for a full Mooncake store give up soon
-        with _signals_logged(timeout):
+        with signals_logged(timeout):
             if not self.drain.stop(deadline - time.monotonic()):
                 logger.error("%s: the drain thread did not end within %gs", CONNECTOR_NAME, timeout)
             self.writer.close(deadline)
@@ -150,7 +158,7 @@ class HybridHiddenStatesConnectorWorker:
 
 
 @contextlib.contextmanager
-def _signals_logged(timeout: float):
+def signals_logged(timeout: float):
     """SIGINT and SIGTERM are logged, not acted on, while the writes drain: vLLM's engine core
     puts the default handlers back before its teardown (main thread only)."""
     if threading.current_thread() is not threading.main_thread():

@@ -30,7 +30,7 @@ from typing import cast
 
 import torch
 
-from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.config import config_from, configured_layer_ids, is_ours
 from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
@@ -41,7 +41,7 @@ def extraction_layer_ids(vllm_config) -> list[int] | None:
     kv = vllm_config.kv_transfer_config
     if not is_ours(kv):
         return None
-    return list((kv.kv_connector_extra_config or {}).get("layer_ids") or [])
+    return configured_layer_ids(kv)
 
 
 def layer_order(layer_ids) -> list[int]:
@@ -208,8 +208,7 @@ def install_sink(self) -> None:
     stacked) with sequence parallelism (the model concatenates the aux states after the last
     layer), fp8 (a row's scale spans all layers), a connector that cannot take a slot, or
     ``layer_by_layer`` off."""
-    from vllm_gdn_hs.connector.checks import config_from  # the connector: lazily
-    from vllm_gdn_hs.connector.staging import strided_copy_works
+    from vllm_gdn_hs.connector.staging import strided_copy_works  # the connector: lazily
 
     self.hidden_states_sink = None
     try:

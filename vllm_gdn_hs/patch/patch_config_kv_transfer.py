@@ -17,7 +17,7 @@ import hashlib
 
 from vllm.config import KVTransferConfig
 
-from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.config import configured_layer_ids, is_ours
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.patch import Patch
 
@@ -27,7 +27,7 @@ _orig = KVTransferConfig.compile_factors if _FACTORS else KVTransferConfig.compu
 
 
 def _layers(self: KVTransferConfig) -> list[int]:
-    return list((self.kv_connector_extra_config or {}).get("layer_ids") or [])
+    return configured_layer_ids(self)
 
 
 def compute_hash(self: KVTransferConfig) -> str:

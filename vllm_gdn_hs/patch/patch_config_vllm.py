@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from vllm.config import VllmConfig
 
-from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.config import extra_config, is_ours
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch
 from vllm_gdn_hs.version import model_runner_v2_asked_for
@@ -56,7 +56,7 @@ def take_layer_ids_from_speculative_config(vllm_config: VllmConfig) -> None:
         return  # no speculation, or another method: the connector says what is wrong
     hf_config = spec.draft_model_config.hf_config
     ids = list(getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or [])
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra = extra_config(vllm_config.kv_transfer_config)  # filled in here: the dict itself
     if "layer_ids" in extra and list(extra["layer_ids"]) != ids:
         raise ValueError(
             f"{CONNECTOR_NAME}: layer ids given twice and different: {ids} in "

@@ -9,7 +9,7 @@ engine core steps until nothing runs, refuses new requests, and is killed
 ``shutdown_timeout`` s after the signal; in every supported release):
 
 - :func:`set_window` (from ``VllmConfig.__post_init__``, in the API server): a
-  ``shutdown_timeout`` of 0 becomes :func:`vllm_gdn_hs.serve_args.shutdown_window`.
+  ``shutdown_timeout`` of 0 becomes :func:`vllm_gdn_hs.config.shutdown_window`.
 - ``EngineCoreProc._handle_shutdown``: running requests get ``shutdown_drain_s`` (less if
   ``shutdown_timeout`` is short) to finish, then are aborted as vLLM's abort mode does; the
   files get ``shutdown_drain_s``; a second signal is logged and the drain goes on.
@@ -33,8 +33,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.request import RequestStatus
 
-from vllm_gdn_hs import serve_args
-from vllm_gdn_hs.config import is_ours
+from vllm_gdn_hs.config import TEARDOWN_S, config_from, is_ours, shutdown_window
+from vllm_gdn_hs.hook import DrainsAtShutdown, HasShutdownDrain
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.patch import Patch, require
 
@@ -58,10 +58,8 @@ REFUSED = "the server is shutting down; send the request to another server"
 
 def set_window(vllm_config) -> None:
     """Give the engine core the time the drain needs (``--shutdown-timeout``)."""
-    drain_s = serve_args.drain_seconds(
-        {"kv_connector_extra_config": vllm_config.kv_transfer_config.kv_connector_extra_config}
-    )
-    window = serve_args.shutdown_window(drain_s)
+    drain_s = config_from(vllm_config).shutdown_drain_s
+    window = shutdown_window(drain_s)
     if vllm_config.shutdown_timeout == 0:
         vllm_config.shutdown_timeout = window
     elif vllm_config.shutdown_timeout < window:
@@ -73,16 +71,17 @@ def set_window(vllm_config) -> None:
             vllm_config.shutdown_timeout,
             window,
             drain_s,
-            serve_args.TEARDOWN_S,
+            TEARDOWN_S,
             window,
         )
 
 
-def _ours(engine):
+def _ours(engine) -> DrainsAtShutdown | None:
     """The connector's scheduler side in this engine core, or None."""
     if not is_ours(engine.vllm_config.kv_transfer_config):
         return None
-    return getattr(getattr(engine.scheduler, "connector", None), "_scheduler", None)
+    connector = getattr(engine.scheduler, "connector", None)
+    return connector.shutdown_drain() if isinstance(connector, HasShutdownDrain) else None
 
 
 def _handle_shutdown(self) -> bool:
@@ -93,17 +92,18 @@ def _handle_shutdown(self) -> bool:
         _on_signal(self, side)
     deadline = getattr(self, "_vllm_gdn_hs_deadline", 0.0)
     if time.monotonic() >= deadline and self.scheduler.has_unfinished_requests():
-        side.abort_reason = (
+        reason = (
             f"the server is shutting down and the request did not finish within "
-            f"{side.cfg.shutdown_drain_s:g} s (shutdown_drain_s)"
+            f"{side.drain_s:g} s (shutdown_drain_s)"
         )
+        side.refuse(reason)
         aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        logger.warning("%s: %d aborted: %s", CONNECTOR_NAME, len(aborted), side.abort_reason)
+        logger.warning("%s: %d aborted: %s", CONNECTOR_NAME, len(aborted), reason)
         self._send_abort_outputs(aborted)
     return _orig_handle_shutdown(self)
 
 
-def _on_signal(self, side) -> None:
+def _on_signal(self, side: DrainsAtShutdown) -> None:
     now, timeout = time.monotonic(), self.vllm_config.shutdown_timeout
     if getattr(self, "_vllm_gdn_hs_start", None) is not None:
         logger.warning(
@@ -113,10 +113,10 @@ def _on_signal(self, side) -> None:
             self._vllm_gdn_hs_start + timeout - now,
         )
         return
-    drain_s = side.cfg.shutdown_drain_s
-    requests_s = min(drain_s, max(timeout - drain_s - serve_args.TEARDOWN_S, 0))
+    drain_s = side.drain_s
+    requests_s = min(drain_s, max(timeout - drain_s - TEARDOWN_S, 0))
     self._vllm_gdn_hs_start, self._vllm_gdn_hs_deadline = now, now + requests_s
-    side.abort_reason = "the server is shutting down"
+    side.refuse("the server is shutting down")
     logger.info(
         "%s: draining: %d requests running may finish within %g s, then their files are "
         "written within %g s (shutdown_drain_s); the engine exits within %d s "
@@ -137,7 +137,7 @@ def _send_abort_outputs_to_client(self, req_ids: list[str], client_index: int) -
             r,
             [],
             finish_reason=FinishReason.ABORT,
-            kv_transfer_params=side.aborted.pop(r, None) or {"hidden_states_error": REFUSED},
+            kv_transfer_params=side.abort_params(r) or {"hidden_states_error": REFUSED},
         )
         for r in req_ids
     ]
@@ -147,11 +147,11 @@ def _send_abort_outputs_to_client(self, req_ids: list[str], client_index: int) -
 
 
 def _engine_shutdown(self) -> None:
-    from vllm_gdn_hs.connector.worker import _signals_logged
+    from vllm_gdn_hs.connector.worker import signals_logged
 
     if _ours(self) is None:
         return _orig_engine_shutdown(self)
-    with _signals_logged(self.vllm_config.shutdown_timeout):
+    with signals_logged(self.vllm_config.shutdown_timeout):
         return _orig_engine_shutdown(self)
 
 

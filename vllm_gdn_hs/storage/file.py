@@ -9,7 +9,7 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
-from vllm_gdn_hs import files
+from vllm_gdn_hs import files, locks, probes
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 
@@ -26,7 +26,7 @@ class FileStorage(HiddenStatesStorage):
         self.custom_root = os.path.abspath(cfg.custom_save_root or self.storage_path)
 
     def open_scheduler_side(self, shape: RowShape) -> None:
-        if why := files.check_storage_path(self.storage_path):
+        if why := probes.check_storage_path(self.storage_path):
             raise ValueError(
                 f"{CONNECTOR_NAME}: shared_storage_path {self.storage_path!r} is not "
                 f"writable ({why}); pass a writable folder: --hidden-states-path DIR to the "
@@ -53,7 +53,7 @@ class FileStorage(HiddenStatesStorage):
                     req_id,
                 )
             path = files.request_path(self.storage_path, req_id)
-        if os.path.lexists(path) or os.path.lexists(path + files.LOCK_SUFFIX):
+        if os.path.lexists(path) or os.path.lexists(path + locks.LOCK_SUFFIX):
             # An earlier request with the same id whose file nobody has read yet: writing
             # again would cost that request its file.
             raise ValueError(
@@ -66,7 +66,7 @@ class FileStorage(HiddenStatesStorage):
         return {"hidden_states_path": place}
 
     def start(self, req_id: str, place: str) -> StoredRequest:
-        fd = files.take_lock(place) if self.cfg.use_synchronization_lock else None
+        fd = locks.take_lock(place) if self.cfg.use_synchronization_lock else None
         return StoredRequest(req_id, place, fd)
 
     def write(
@@ -92,7 +92,7 @@ class FileStorage(HiddenStatesStorage):
                 # The write thread closes the descriptor when it ends; the lock file goes now,
                 # so a reader stops waiting (the file may still appear, complete).
                 with contextlib.suppress(FileNotFoundError):
-                    os.remove(request.path + files.LOCK_SUFFIX)
+                    os.remove(request.path + locks.LOCK_SUFFIX)
                 request.state = "abandoned"
 
     def _release(self, request: StoredRequest, remove: bool) -> None:
@@ -103,4 +103,4 @@ class FileStorage(HiddenStatesStorage):
     def _release_locked(request: StoredRequest, remove: bool) -> None:
         fd, request.handle = request.handle, None
         request.state = "done" if request.state != "abandoned" else "abandoned"
-        files.release_lock(fd, request.path, remove=remove)
+        locks.release_lock(fd, request.path, remove=remove)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 from typing import TYPE_CHECKING
 
+from vllm_gdn_hs.files import MAX_STEM
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 from vllm_gdn_hs.storage.mooncake_client import MooncakeStore, manifest
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-MAX_KEY_STEM = 160
+MAX_KEY_STEM = MAX_STEM  # the file names' stem length: keys and names alike
 
 
 def _sanitize_key(request_id: str) -> str:

@@ -149,7 +149,7 @@ class MooncakeStore:
         registered = []
         try:
             for ptr, size in parts:  # RDMA sends only from registered memory
-                self._check("register_buffer", key, self.client.register_buffer(ptr, size))
+                self.check("register_buffer", key, self.client.register_buffer(ptr, size))
                 registered.append(ptr)
             self._put(key, [p for p, _ in parts], [s for _, s in parts])
         except BaseException:
@@ -165,7 +165,7 @@ class MooncakeStore:
             while True:
                 rc = self.client.batch_put_from_multi_buffers([key], [ptrs], [sizes], self.pin)[0]
                 if rc not in (NO_AVAILABLE_HANDLE, RPC_FAIL):
-                    return self._check("put", key, 0 if rc == OBJECT_ALREADY_EXISTS else rc)
+                    return self.check("put", key, 0 if rc == OBJECT_ALREADY_EXISTS else rc)
                 now = time.monotonic()
                 if since is None:
                     since = now
@@ -174,7 +174,7 @@ class MooncakeStore:
                         self.waiting_full += 1
                 closing = self.closing_at is not None and now - self.closing_at > self.close_grace_s
                 if rc == RPC_FAIL and (closing or now - since > MASTER_WAIT_S):
-                    return self._check("put", key, rc)
+                    return self.check("put", key, rc)
                 if closing:
                     raise MooncakeError(f"the Mooncake store stayed full; {key} not put")
                 if rc == NO_AVAILABLE_HANDLE:
@@ -319,7 +319,8 @@ class MooncakeStore:
         return len(waiting)
 
     @staticmethod
-    def _check(call: str, key: str, rc) -> None:
+    def check(call: str, key: str, rc) -> None:
+        """MooncakeError naming the call and the key unless ``rc`` (Mooncake's return) is 0."""
         if rc != 0:
             hint = " (the master does not answer)" if rc == RPC_FAIL else ""
             raise MooncakeError(f"Mooncake {call} of {key} returned {rc}{hint}")

@@ -12,18 +12,37 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from typing import Any, Protocol
 
 import torch
 
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 logger = init_logger(__name__)
 
 WATCH_S = 1.0  # how often the marker and the unread objects are looked up
 
 
+class UnreadStore(Protocol):
+    """What :class:`UnreadObjects` needs of its store (:class:`MooncakeStore`)."""
+
+    options: MooncakeOptions
+    client: Any  # Mooncake's MooncakeDistributedStore: is_exist, batch_is_exist, put
+    pin: Any  # Mooncake's ReplicateConfig for every put
+    lock: threading.Condition  # guards stats
+    stats: dict[str, Any]
+    closing_at: float | None
+
+    def check(self, call: str, key: str, rc: Any) -> None: ...
+
+    def put_parts(self, key: str, parts: list[tuple[int, int]]) -> None: ...
+
+    def write_error(self, key: str, why: str) -> None: ...
+
+
 class UnreadObjects:
-    def __init__(self, store):
+    def __init__(self, store: UnreadStore):
         """For ``store``, a :class:`~vllm_gdn_hs.storage.mooncake_client.MooncakeStore`."""
         self.store = store
         self.lock = threading.Lock()
@@ -39,7 +58,7 @@ class UnreadObjects:
 
     def _put_marker(self) -> None:
         s = self.store
-        s._check("put", self.marker, s.client.put(self.marker, b"1", s.pin))
+        s.check("put", self.marker, s.client.put(self.marker, b"1", s.pin))
 
     def keep(self, key: str, parts: list[torch.Tensor]) -> None:
         """Own ``key`` from before its put (a restart meanwhile is seen), with a copy of its

@@ -1,12 +1,13 @@
-"""``python -m vllm_gdn_hs.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
+"""``python -m vllm_gdn_hs.cli.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
 
 ``mooncake-fp8`` objects hold fp8 rows, which hs-connectors' ``MooncakeTransfer`` returns as
 stored and speculators cannot train on: :class:`MooncakeFP8Transfer` dequantizes them as
 ``FP8Transfer`` does. This module registers the backend (hs-connectors' registry has no entry
 point), then runs speculators' ``train`` with every argument unchanged::
 
-    python -m vllm_gdn_hs.train --hidden-states-backend mooncake-fp8 --mooncake-master H:50051 ...
-    torchrun --nproc-per-node 8 -m vllm_gdn_hs.train ...   # as with -m speculators.train
+    python -m vllm_gdn_hs.cli.train --hidden-states-backend mooncake-fp8 \\
+        --mooncake-master H:50051 ...
+    torchrun --nproc-per-node 8 -m vllm_gdn_hs.cli.train ...   # as with -m speculators.train
 
 No vLLM needed: the trainer hosts import only torch, hs-connectors and speculators.
 """
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from hs_connectors import transfer
 
+from vllm_gdn_hs.config import extra_config
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.storage.mooncake_options import advertise_address
 
@@ -50,7 +52,7 @@ class MooncakeFP8Train(transfer.MooncakeBackend):
         config = transfer.MooncakeBackend.build_kv_transfer_config(args)
         config.pop("kv_connector_module_path")
         config["kv_connector"] = CONNECTOR_NAME
-        config["kv_connector_extra_config"]["fp8"] = True
+        extra_config(config)["fp8"] = True
         return config
 
 

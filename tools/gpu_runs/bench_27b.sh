@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue #48 part B on one H100/H200: 27B shape, dummy weights, CUDA graphs, layers
+# The 27B-shape benchmark on one H100/H200: 27B shape, dummy weights, CUDA graphs, layers
 # 1 16 31 46 61 64, max_num_seqs 256 (plain on one H100 needs it), the extensible KV cache
 # (--gpu-memory-utilization 0: vLLM's warm-up line gives the allocated-at-peak figure).
-#   usage: [BUDGET=S] [WL=W,...] tools/gpu_runs/run48.sh RESULTS_DIR [STEPS]
+#   usage: [BUDGET=S] [WL=W,...] tools/gpu_runs/bench_27b.sh RESULTS_DIR [STEPS]
 #   (STEPS: default "1 2 3 4"; BUDGET: seconds per one-variant step, default 570; WL: the
 #   workloads of steps 1*)
 # Steps in priority order; each appends its records as each variant finishes:
@@ -15,7 +15,7 @@
 # One device call runs at most 10 minutes: give each call one step (1 may need its own call
 # per variant: STEPS "1a" plain, "1b" ours-layers, "1c" ours).
 set -u
-R=${1:?usage: run48.sh RESULTS_DIR [STEPS]}
+R=${1:?usage: bench_27b.sh RESULTS_DIR [STEPS]}
 STEPS=${2:-1 2 3 4}
 cd "$(dirname "$0")/../.."
 mkdir -p "$R/logs"

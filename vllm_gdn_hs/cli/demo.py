@@ -76,10 +76,10 @@ def run_demo(workdir: str) -> int:
         return 2
     from vllm import LLM, SamplingParams
 
-    from vllm_gdn_hs.checkpoint import load_text_model, save_random_checkpoint
     from vllm_gdn_hs.config import extraction_config
     from vllm_gdn_hs.files import load_hidden_states
-    from vllm_gdn_hs.reference import file_problems, hf_hidden_states, relative_errors
+    from vllm_gdn_hs.verify.checkpoint import load_text_model, save_random_checkpoint
+    from vllm_gdn_hs.verify.reference import file_problems, hf_hidden_states, relative_errors
 
     model = os.path.join(workdir, "tiny-qwen3.5-hybrid")
     save_random_checkpoint(model, tiny_hybrid_config())  # random bf16 weights, seed 0

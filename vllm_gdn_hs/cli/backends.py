@@ -1,7 +1,7 @@
 """The launcher's hidden-state backends (``--hidden-states-backend``, speculators' names): each
 one's options, its storage check before vLLM starts, and its ``kv_transfer_config``. A backend
 has up to three halves: the launcher's ``*Launch`` (here), the connector's ``*Storage``
-(:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train`` (:mod:`vllm_gdn_hs.train`).
+(:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train`` (:mod:`vllm_gdn_hs.cli.train`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
-from vllm_gdn_hs import files, version
-from vllm_gdn_hs.config import HiddenStatesConfig, kv_transfer_config, problems
+from vllm_gdn_hs import probes, version
+from vllm_gdn_hs.cli.host import Row
+from vllm_gdn_hs.cli.serve_args import LaunchError
+from vllm_gdn_hs.config import HiddenStatesConfig, extra_config, kv_transfer_config, problems
 from vllm_gdn_hs.names import CONNECTOR_NAME
-from vllm_gdn_hs.serve_args import LaunchError
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions, check_master
 
 # Connector options the launcher sets from its own flags.
@@ -44,9 +45,9 @@ class FileLaunch:
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
         """The folder must take files before vLLM starts: made if missing; a dry run tries the
-        same where it leaves nothing behind (:func:`files.check_storage_path`)."""
+        same where it leaves nothing behind (:func:`probes.check_storage_path`)."""
         path = cls.storage_options(args)["shared_storage_path"]
-        if why := files.check_storage_path(path, make=not args.dry_run):
+        if why := probes.check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
                 f"--hidden-states-path {path} is not writable ({why}): pass a folder this user "
                 "can write to"
@@ -66,7 +67,7 @@ class FileLaunch:
                     f"--kv-transfer-config {key}={user[key]!r}: the launcher runs {key} "
                     f"{ours!r}; drop {key}"
                 )
-        extra = user.get("kv_connector_extra_config") or {}
+        extra = extra_config(user)
         for key, use in LAUNCHER_OPTIONS.items():
             if key in extra:
                 raise LaunchError(
@@ -114,14 +115,14 @@ class MooncakeLaunch(FileLaunch):
         MOONCAKE_LOCAL_HOSTNAME, else its name), less fields a later hs-connectors adds."""
         from hs_connectors.transfer import MooncakeBackend as Theirs
 
-        theirs = Theirs.build_kv_transfer_config(args)["kv_connector_extra_config"]
+        theirs = extra_config(Theirs.build_kv_transfer_config(args))
         ours = {k: v for k, v in theirs["mooncake"].items() if k in MooncakeOptions.model_fields}
         return {**theirs, "mooncake": ours, **cls.options}
 
 
 class MooncakeFP8Launch(MooncakeLaunch):
     """``mooncake`` with objects in the fp8 files' layout (half the bytes); not speculators':
-    the trainers run ``python -m vllm_gdn_hs.train`` (:mod:`.train`)."""
+    the trainers run ``python -m vllm_gdn_hs.cli.train`` (:mod:`.train`)."""
 
     options: ClassVar[dict[str, Any]] = {"fp8": True}
 
@@ -134,7 +135,6 @@ BACKENDS: dict[str, type[FileLaunch]] = {
 }
 
 
-Row = tuple[str, str, str | None]  # a doctor row: (item, value, problem or None)
 # hs-connectors' Mooncake wheels: each installs the package "mooncake"
 MOONCAKE_WHEELS = (
     "mooncake-transfer-engine-non-cuda",

@@ -17,7 +17,8 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from vllm_gdn_hs.files import LOCK_SUFFIX, SUFFIX, is_temp, layout, lock_held, read_header
+from vllm_gdn_hs.files import SUFFIX, is_temp, layout, read_header
+from vllm_gdn_hs.locks import LOCK_SUFFIX, lock_held
 
 # What can be wrong with a request, as reported (one line per kind, every path in --list).
 LOST = "lost (a lock nobody holds and no file: the writer died; resend these requests)"
@@ -205,27 +206,14 @@ def run_spot_check(
     max_tokens: int = 512,
     device: str = "cpu",
 ) -> int:
-    """A sample of :func:`scan`'s ``complete_paths`` against HF transformers on ``model``: 0
-    within the bar; 1: a file or the pooled sample is not; 2: bad input."""
+    """A sample of :func:`scan`'s ``complete_paths`` against HF transformers on ``model`` (a
+    folder with the weights; the command line resolves a hub id and checks ``layer_ids``
+    against it): 0 within the bar; 1: a file or the pooled sample is not; 2: bad input."""
     from safetensors import safe_open
 
     from vllm_gdn_hs.files import hidden_states_of
-    from vllm_gdn_hs.model_info import cached_model_folder, read_model_info, validate_layer_ids
-    from vllm_gdn_hs.reference import HFReference, describe_pooled, worst_by_layer
+    from vllm_gdn_hs.verify.reference import HFReference, describe_pooled, worst_by_layer
 
-    folder = model if os.path.isdir(model) else cached_model_folder(model)
-    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
-        return _error(
-            f"{model} is no model folder with a config.json, nor a HF hub id in the local "
-            "cache; pass the served model's folder (or `hf download` it first: the weights too)"
-        )
-    try:
-        validate_layer_ids(layer_ids, read_model_info(folder).num_hidden_layers)
-    except ValueError as e:
-        return _error(
-            f"--layer-ids for {model}: {e}; pass the layer ids the server extracted, "
-            "for the model it served"
-        )
     chosen = sample(complete_paths, files)
     if not chosen:
         return _error(f"no complete file under {root} to check")
@@ -251,7 +239,7 @@ def run_spot_check(
         f"minutes for a large model on the CPU), layers {layer_ids}",
         flush=True,
     )
-    ref = HFReference(folder, layer_ids, device=device, max_cached=len(data))
+    ref = HFReference(model, layer_ids, device=device, max_cached=len(data))
     try:
         try:
             ref.precompute([d["token_ids"].tolist() for d in data.values()])

@@ -7,7 +7,13 @@ import argparse
 import sys
 from importlib import metadata
 
-from vllm_gdn_hs.model_info import PACKAGED_CONFIGS, flat, layer_ids_arg, write_config
+from vllm_gdn_hs.cli.model_info import (
+    PACKAGED_CONFIGS,
+    flat,
+    layer_ids_arg,
+    reference_folder,
+    write_config,
+)
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
@@ -16,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
         # The launcher owns its whole command line (speculators' interface).
-        from vllm_gdn_hs.launch import main as launch_main
+        from vllm_gdn_hs.cli.launch import main as launch_main
 
         return launch_main(argv[1:], prog="vllm-gdn-hs launch")
     parser = argparse.ArgumentParser(
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from vllm_gdn_hs.doctor import run_doctor
+        from vllm_gdn_hs.cli.doctor import run_doctor
 
         return run_doctor(
             args.model,
@@ -133,22 +139,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {write_config(args.model, args.dir)}")
         return 0
     if args.command == "check":
-        from vllm_gdn_hs.check import run_check, run_spot_check
+        from vllm_gdn_hs.verify.check import run_check, run_spot_check
 
         ids, ref = flat(args.layer_ids) or [], args.reference
         if ref and not ids:
             parser.error("--reference needs --layer-ids (the ids the server extracted)")
 
         def spot(paths: list[str]) -> int:
+            try:
+                folder = reference_folder(ref, ids)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             return run_spot_check(
-                args.dir, paths, ref, ids, args.files, args.max_tokens, args.device
+                args.dir, paths, folder, ids, args.files, args.max_tokens, args.device
             )
 
         return run_check(args.dir, args.rows, args.expect, args.list, spot if ref else None)
-    from vllm_gdn_hs.demo import run_demo
+    from vllm_gdn_hs.cli.demo import run_demo
 
     return run_demo(args.workdir)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

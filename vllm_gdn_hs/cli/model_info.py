@@ -11,6 +11,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from vllm_gdn_hs.layer_ids import validate_layer_ids
+
 # HF ``layer_types`` values, grouped by the vLLM KV cache spec they get.
 _LINEAR = {"linear_attention", "mamba", "mamba2", "gdn"}
 _FULL = {"full_attention", "attention"}
@@ -189,22 +191,6 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
     )
 
 
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """speculators' default target layers."""
-    n = num_hidden_layers
-    return [2, n // 2, n - 3, n]
-
-
-def target_layer_ids(
-    given: list[int] | None, num_hidden_layers: int, last: bool = True
-) -> list[int]:
-    """speculators' launcher's rule: the defaults, or the ids given plus the last layer (with
-    ``last``, unless given)."""
-    n = num_hidden_layers
-    ids = list(given or default_layer_ids(n))
-    return [*ids, n] if given and last and n not in ids else ids
-
-
 def layer_ids_arg(text: str) -> list[int]:
     """An argparse ``type`` for layer ids separated by commas, spaces or both (with
     ``nargs="+"``, then :func:`flat`): ``1,16,31``, ``1 16 31`` and ``1, 16, 31`` are the same."""
@@ -224,16 +210,20 @@ def flat(lists: list[list[int]] | None) -> list[int] | None:
     return None if lists is None else [i for ids in lists for i in ids]
 
 
-def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """Layer id k is the residual stream after k decoder layers (0 = embeddings)."""
-    n = num_hidden_layers
-    if bad := [i for i in layer_ids if not 0 <= int(i) <= n]:
+def reference_folder(model: str, layer_ids: list[int]) -> str:
+    """The folder of ``model`` (a folder, or a hub id in the local cache) for ``check
+    --reference``, once ``layer_ids`` fit it; ValueError naming the fix."""
+    folder = model if os.path.isdir(model) else cached_model_folder(model)
+    if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(
-            f"layer ids {bad} are out of range: this model has {n} layers, so ids must be "
-            f"in 0..{n} (id {n} is the last layer's output, before the final norm)"
+            f"{model} is no model folder with a config.json, nor a HF hub id in the local "
+            "cache; pass the served model's folder (or `hf download` it first: the weights too)"
         )
-    if dup := sorted({i for i in layer_ids if layer_ids.count(i) > 1}):
-        raise ValueError(f"layer ids {dup} are repeated; give each layer id once")
-    if not layer_ids:
-        raise ValueError("no layer ids given; pass at least one")
-    return [int(i) for i in layer_ids]
+    try:
+        validate_layer_ids(layer_ids, read_model_info(folder).num_hidden_layers)
+    except ValueError as e:
+        raise ValueError(
+            f"--layer-ids for {model}: {e}; pass the layer ids the server extracted, "
+            "for the model it served"
+        ) from None
+    return folder

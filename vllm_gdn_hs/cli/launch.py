@@ -18,11 +18,13 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from vllm_gdn_hs import model_info, model_support, serve_args
-from vllm_gdn_hs.backends import BACKENDS, FileLaunch
+from vllm_gdn_hs import model_support
+from vllm_gdn_hs.cli import model_info, serve_args
+from vllm_gdn_hs.cli.backends import BACKENDS, FileLaunch
+from vllm_gdn_hs.cli.serve_args import LaunchError, warn
 from vllm_gdn_hs.config import speculative_config
+from vllm_gdn_hs.layer_ids import default_layer_ids, target_layer_ids, validate_layer_ids
 from vllm_gdn_hs.patch import runtime_patches
-from vllm_gdn_hs.serve_args import LaunchError, warn
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
 
 _USAGE = (
@@ -121,8 +123,8 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
     first, so a warning never speaks of an id that is then refused."""
     n = num_hidden_layers
-    ids = model_info.target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
-    ids = model_info.validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
+    ids = target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
+    ids = validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
             warn(
@@ -131,7 +133,7 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
             )
         return ids
     if len(ids) < 2:  # the trainer takes ids[:-1]; ids[-1] is the verifier's hidden state
-        example = " ".join(map(str, model_info.default_layer_ids(n)[:-1]))
+        example = " ".join(map(str, default_layer_ids(n)[:-1]))
         raise LaunchError(
             f"--target-layer-ids {' '.join(map(str, args.target_layer_ids))} leaves the trainer "
             f"no layer: each file's last layer ({ids[-1]}) is the verifier's hidden state and "

@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import sys
+from typing import Any
 
-from vllm_gdn_hs.config import HiddenStatesConfig
-from vllm_gdn_hs.model_info import ModelInfo
+from vllm_gdn_hs.cli.model_info import ModelInfo
+from vllm_gdn_hs.config import TEARDOWN_S, config_from, shutdown_window
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import engine_wait_from_env
 
@@ -55,7 +55,8 @@ def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
     """The vLLM arguments without ``--kv-transfer-config``, and that flag's settings: a JSON
     object, or vLLM's dotted keys (``--kv-transfer-config.kv_connector_extra_config.x=1``),
     merged in order."""
-    rest, user = [], {}
+    rest: list[str] = []
+    user: dict[str, Any] = {}
     args = iter(vllm_args)
     for arg in args:
         parsed = _flag(arg)
@@ -146,20 +147,11 @@ def _has_flashinfer() -> bool:
 # unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, 5 s on 0.20.1). The plugin sets
 # shutdown_window() (patch/shutdown.py); the launcher's flags and environment say the same.
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-TEARDOWN_S = 30
 
 
 def drain_seconds(kv_transfer_config: dict) -> float:
     """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
-    extra = kv_transfer_config.get("kv_connector_extra_config") or {}
-    default = HiddenStatesConfig.model_fields["shutdown_drain_s"].default
-    return extra.get("shutdown_drain_s", default)
-
-
-def shutdown_window(drain_s: float) -> int:
-    """Seconds an engine core process needs between SIGTERM and exit: ``drain_s`` for the
-    running requests to finish, ``drain_s`` for their files, and vLLM's teardown."""
-    return 2 * math.ceil(drain_s) + TEARDOWN_S
+    return config_from(kv_transfer_config).shutdown_drain_s
 
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
@@ -187,7 +179,7 @@ def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
 
 def _warn_if_short(what: str, value: str | None, window: int) -> None:
     with contextlib.suppress(TypeError, ValueError):
-        if float(value) >= window:  # seconds
+        if value is not None and float(value) >= window:  # seconds
             return
     warn(
         f"{what} may stop vLLM's engine core before the hidden-state files of answered "

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-from vllm_gdn_hs.checkpoint import load_text_model as load_hf_model
 from vllm_gdn_hs.files import SCALES, hidden_states_of
 from vllm_gdn_hs.rows import check_rows
+from vllm_gdn_hs.verify.checkpoint import load_text_model as load_hf_model
 
 BAR_FACTOR = 1.1
 GROSS_FACTOR = 3.0  # a bug that moves rows is off by ~1, bf16 noise by ~1x bf16's error
