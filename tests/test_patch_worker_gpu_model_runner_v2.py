@@ -229,45 +229,10 @@ def test_eager_steps_stream_each_layer_as_the_model_makes_it(hybrid_model, tmp_p
     assert torch.equal(got, torch.stack([states[k][:n] for k in layer_ids], dim=1))
 
 
-@pytest.mark.parametrize("layer_by_layer", [True, False])
-def test_aux_states_made_during_a_graph_capture_share_one_buffer_per_layer(
-    hybrid_model, tmp_path, layer_by_layer
-):
-    """While a CUDA graph is captured (the one thing faked here: the capture itself), each aux
-    state goes into one persistent buffer per layer shared by every capture size, so the graph
-    pool keeps none of them; outside a capture the model's own tensors stay, and a step wider
-    than the largest capture keeps its own. With or without the sink."""
-    from vllm.config import CUDAGraphMode
-
-    from vllm_gdn_hs.patch import extraction
-
-    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
-    cfg.kv_transfer_config.kv_connector_extra_config["layer_by_layer"] = layer_by_layer
-    cfg.model_config.enforce_eager = False
-    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    cfg.compilation_config.max_cudagraph_capture_size = 16
-    runner = _runner(cfg, _AuxModel())
-    hidden = cfg.model_config.get_hidden_size()
-    g = torch.Generator().manual_seed(0)
-    captured = {}
-    with mock.patch.object(extraction, "capturing", lambda t: True):
-        for n in (16, 4):  # largest first, as vLLM captures
-            states = [torch.randn(n, hidden, generator=g).bfloat16() for _ in range(9)]
-            _, aux = runner.model(states)
-            assert all(torch.equal(a, states[k]) for a, k in zip(aux, (1, 4, 8), strict=True))
-            captured[n] = [a.data_ptr() for a in aux]
-        _, wide = runner.model([torch.ones(17, hidden).bfloat16() for _ in range(9)])
-    assert captured[16] == captured[4]  # the same buffers for every capture size
-    assert len(set(captured[16])) == 3  # one per layer
-    assert not {a.data_ptr() for a in wide} & set(captured[16])
-    _, eager = runner.model([torch.ones(4, hidden).bfloat16() for _ in range(9)])
-    assert not {a.data_ptr() for a in eager} & set(captured[16])  # no capture: the model's own
-
-
 def test_a_model_vllm_compiles_keeps_its_own_aux_states(hybrid_model, tmp_path):
     """A model whose forward vLLM runs through torch.compile (its compiled submodule, the one
-    thing faked here) is not wrapped: dynamo would trace the sink's copies and the capture
-    check. Its eager steps stack their rows, and profile_run covers the largest step."""
+    thing faked here) is not wrapped: dynamo would trace the sink's copies. Its eager steps
+    stack their rows, and profile_run covers the largest step."""
     cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
     with mock.patch(
         "vllm.v1.worker.gpu.cudagraph_utils.has_compiled_submodule", lambda model: True

@@ -3,24 +3,17 @@
 Runner-neutral (it imports no runner), so that both runner patches import it on every release where
 their runner exists. ``self`` is the runner in every function.
 
-Model Runner V2 wraps the model's ``EagleModelMixin._maybe_add_hidden_state``
-(:func:`install_sink`) for two memory costs of the aux states:
-
-- **CUDA-graph capture** (:class:`CapturedAuxBuffers`): an aux state the model makes while a graph
-  is captured is copied into one persistent buffer per layer, shared by every capture size, and
-  the model keeps that view. Left in the graph pool, the aux states of a breakable CUDA graph (one
-  graph segment per layer between eager GDN/attention breaks) stay alive across segments, and
-  the pool kept them for every capture size: 0.82 GiB at 27B shape on vLLM 0.34.0's default
-  GDN kernels, 16 KV cache blocks on one H100.
-- **Eager steps** (:class:`LayerSink`, ``layer_by_layer``, on by default): the model would keep
-  each aux state alive until the forward pass ends, so at the last layers' activation peak five
-  of six [tokens, hidden] copies are alive (0.78 GiB at 16,384 tokens and 27B shape, kept free
-  by vLLM's sizing, and 1.75 times that out of the KV cache with its margin). The sink takes
-  each one as the model makes it: its rows start for their column of a pinned host slot on the
-  staging ring's side stream (after the compute stream made them, so the forward pass does not
-  wait for the copy) and the model keeps an empty placeholder, so the copy is freed as soon as
-  it is copied. CUDA-graph steps (at most the largest capture size) keep the stacked hand-over:
-  a graph would bake one host address into every replay.
+The layer sink (:class:`LayerSink`, Model Runner V2, ``layer_by_layer``, on by default): a model
+that collects its aux states in vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one
+alive until the forward pass ends, so at the last layers' activation peak five of six [tokens,
+hidden] copies are alive (0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing,
+and 1.75 times that out of the KV cache with its margin). In a step that runs eager the sink
+takes each one as the model makes it: its rows start for their column of a pinned host slot on
+the staging ring's side stream (after the compute stream made them, so the forward pass does not
+wait for the copy) and the model keeps an empty placeholder, so the copy is freed as soon as it
+is copied. Measured (docs/memory.md): ours' warm-up peak is plain vLLM's. CUDA-graph steps (at
+most the largest capture size) keep the stacked hand-over: a graph would bake one host address
+into every replay.
 """
 
 from __future__ import annotations
@@ -122,28 +115,6 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
     )
 
 
-class CapturedAuxBuffers:
-    """One persistent [largest capture, H] buffer per aux layer, shared by every CUDA graph:
-    while a graph is captured, each aux state the model makes is copied into its buffer (in the
-    same graph segment that made it, so the graph pool frees it there) and the model keeps the
-    buffer's view. A replay rewrites the buffers; the runner hands their rows over before the
-    next step, as it does with vLLM's own persistent outputs."""
-
-    def __init__(self, num_layers: int, max_tokens: int, hidden: int, dtype, device):
-        self.buffers = [
-            torch.empty((max_tokens, hidden), dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-
-    def keep(self, index: int, aux: torch.Tensor) -> torch.Tensor:
-        """The ``index``-th aux state (ascending layer order) of a step being captured."""
-        if index >= len(self.buffers) or aux.shape[0] > self.buffers[index].shape[0]:
-            return aux  # not one of ours, or wider than any capture size: left where it is
-        buffer = self.buffers[index]
-        view = buffer[: aux.shape[0]]
-        view.copy_(aux)
-        return view
-
-
 class LayerSink:
     """Takes each aux state from the model as it is made (see the module docstring). Open
     only around the forward pass of a step that runs eager: with a slot (a writing rank's
@@ -185,8 +156,8 @@ class LayerSink:
 def compiled_forward(model) -> bool:
     """Whether vLLM runs ``model``'s forward through torch.compile (vLLM 0.34.0: Qwen3-Next,
     Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled). Dynamo would trace the
-    wrapper, whose copies and capture check cannot run inside a compiled graph: such a model's
-    eager steps stack their rows after the forward pass."""
+    wrapper, whose copies cannot run inside a compiled graph: such a model's eager steps stack
+    their rows after the forward pass."""
     try:
         from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
     except ImportError:  # a release without it: taken as compiled, the safe side
@@ -194,20 +165,13 @@ def compiled_forward(model) -> bool:
     return has_compiled_submodule(model)
 
 
-def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t``'s stream is capturing a CUDA graph now."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def install_sink(self) -> None:
     """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
-    that aux states made during a CUDA-graph capture go to :class:`CapturedAuxBuffers` and an
-    open :class:`LayerSink` takes those of an eager step. Nothing is wrapped without
-    ``EagleModelMixin`` or a model using it, or for a model vLLM compiles
-    (:func:`compiled_forward`). The sink is not installed (every eager step
-    stacked) with sequence parallelism (the model concatenates the aux states after the last
-    layer), fp8 (a row's scale spans all layers), a connector that cannot take a slot, or
-    ``layer_by_layer`` off."""
+    that an open :class:`LayerSink` takes each aux state. Not installed (every step stacked)
+    without ``EagleModelMixin`` or a model using it, for a model vLLM compiles
+    (:func:`compiled_forward`), with sequence parallelism (the model concatenates the aux states
+    after the last layer), fp8 (a row's scale spans all layers), a connector that cannot take a
+    slot, a strided copy that fails its check, or ``layer_by_layer`` off."""
     from vllm_gdn_hs.connector.staging import strided_copy_works  # the connector: lazily
 
     self.hidden_states_sink = None
@@ -219,53 +183,45 @@ def install_sink(self) -> None:
     holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
     if holder is None or compiled_forward(self.model):
         return
-    hidden, dtype = self.model_config.get_hidden_size(), self.model_config.dtype
-    captured = None
-    if largest_graph_step(self) > 0:
-        captured = CapturedAuxBuffers(
-            len(self.hidden_states_order), largest_graph_step(self), hidden, dtype, self.device
-        )
     connector_class = getattr(self, "hidden_states_connector_class", None)
     cfg = config_from(self.vllm_config)
     if (
-        not getattr(holder, "use_sequence_parallel", False)
-        and isinstance(connector_class, type)
-        and issubclass(connector_class, TakesLayerRows)
-        and cfg.layer_by_layer
-        and not cfg.fp8
+        getattr(holder, "use_sequence_parallel", False)
+        or not (isinstance(connector_class, type) and issubclass(connector_class, TakesLayerRows))
+        or not cfg.layer_by_layer
+        or cfg.fp8
     ):
-        if self.device.type == "cuda" and not strided_copy_works(self.device):
-            init_logger(__name__).warning(
-                "%s: layer_by_layer is off: a strided copy out of the GPU "
-                "(cudaMemcpy2DAsync, cuda-bindings) failed its check here; eager steps stack "
-                "their rows after the forward pass, which raises vLLM's warm-up peak",
-                CONNECTOR_NAME,
-            )
-        else:
-            self.hidden_states_sink = LayerSink(
-                self.hidden_states_order, hidden, dtype, self.device
-            )
-    sink = self.hidden_states_sink
+        return
+    if self.device.type == "cuda" and not strided_copy_works(self.device):
+        init_logger(__name__).warning(
+            "%s: layer_by_layer is off: a strided copy out of the GPU (cudaMemcpy2DAsync, "
+            "cuda-bindings) failed its check here; eager steps stack their rows after the "
+            "forward pass, which raises vLLM's warm-up peak",
+            CONNECTOR_NAME,
+        )
+        return
+    sink = self.hidden_states_sink = LayerSink(
+        self.hidden_states_order,
+        self.model_config.get_hidden_size(),
+        self.model_config.dtype,
+        self.device,
+    )
     original = holder._maybe_add_hidden_state  # vLLM's, bound to the model
 
     def _maybe_add_hidden_state(aux_hidden_states, layer_idx, hidden_states, residual):
         n = len(aux_hidden_states)
         out = original(aux_hidden_states, layer_idx, hidden_states, residual)
-        if len(aux_hidden_states) > n:
-            if sink is not None and sink.open:
-                aux_hidden_states[-1] = sink.take(aux_hidden_states[-1])
-            elif captured is not None and capturing(aux_hidden_states[-1]):
-                aux_hidden_states[-1] = captured.keep(n, aux_hidden_states[-1])
+        if sink.open and len(aux_hidden_states) > n:
+            aux_hidden_states[-1] = sink.take(aux_hidden_states[-1])
         return out
 
     holder._maybe_add_hidden_state = _maybe_add_hidden_state
-    if sink is not None:
-        init_logger(__name__).info(
-            "%s: layer_by_layer: each layer's rows leave the GPU as the model makes them in "
-            "steps of more than %d tokens",
-            CONNECTOR_NAME,
-            largest_graph_step(self),
-        )
+    init_logger(__name__).info(
+        "%s: layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
+        "of more than %d tokens",
+        CONNECTOR_NAME,
+        largest_graph_step(self),
+    )
 
 
 def largest_graph_step(self) -> int:
