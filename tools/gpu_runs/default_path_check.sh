@@ -13,6 +13,8 @@
 #   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat, the 4b shape
 #               (the writer's bytes at the highest rate) -> e2e.json                 (~4 min)
 #   6 memory    CUDA-graph memory and peak within one block of plain's (tests/gpu/test_gpu_memory.py)
+#   7 owners    who owns the CUDA-graph memory: torch's memory snapshot after plain's and ours'
+#               capture, grouped by the code that allocated (benchmarks/graph_memory.py) (~4 min)
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
 #   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
@@ -36,7 +38,7 @@ suite() {  # a name, a time limit, then pytest node ids
         bash tools/gpu_runs/run_gpu_suite.sh "$@" >"$R/logs/$name.txt" 2>&1
     log "$name end: $(grep -E "^pytest exit" "$R/$name/env.txt" 2>/dev/null)"
 }
-for step in ${STEPS:-1 2 3 4 5 6}; do
+for step in ${STEPS:-1 2 3 4 5 6 7}; do
     case $step in
     1)
         log "bench start"
@@ -60,6 +62,16 @@ for step in ${STEPS:-1 2 3 4 5 6}; do
         log "e2e end rc=$?"
         ;;
     6) suite memory 420 tests/gpu/test_gpu_memory.py ;;
+    7)
+        for v in plain ours; do
+            log "owners $v start"
+            python3 benchmarks/graph_memory.py --variant $v --out "$R/graph-memory-$v.json" \
+                >"$R/logs/graph-memory-$v.txt" 2>&1
+            log "owners $v end rc=$?"
+        done
+        python3 benchmarks/graph_memory.py --compare "$R/graph-memory-plain.json" \
+            "$R/graph-memory-ours.json" >"$R/graph-memory-compare.txt" 2>&1
+        ;;
     esac
 done
 log "done"
