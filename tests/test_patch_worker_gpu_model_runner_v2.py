@@ -241,6 +241,10 @@ def test_a_model_vllm_compiles_keeps_its_own_aux_states(hybrid_model, tmp_path):
     assert runner.hidden_states_sink is None
     assert "_maybe_add_hidden_state" not in vars(runner.model.inner)
     assert "_maybe_add_hidden_state" in vars(_runner(cfg, _AuxModel()).model.inner)
+    from vllm.config import CompilationMode
+
+    cfg.compilation_config.mode = CompilationMode.STOCK_TORCH_COMPILE  # the whole model
+    assert _runner(cfg, _AuxModel()).hidden_states_sink is None
 
 
 @pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface

@@ -153,16 +153,20 @@ class LayerSink:
         return self.placeholder
 
 
-def compiled_forward(model) -> bool:
-    """Whether vLLM runs ``model``'s forward through torch.compile (vLLM 0.34.0: Qwen3-Next,
-    Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled). Dynamo would trace the
-    wrapper, whose copies cannot run inside a compiled graph: such a model's eager steps stack
-    their rows after the forward pass."""
+def compiled_forward(self) -> bool:
+    """Whether vLLM runs the model's forward through torch.compile: its compiled submodules
+    (vLLM 0.34.0: Qwen3-Next, Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled), or
+    the whole model under ``STOCK_TORCH_COMPILE``. Dynamo would trace the wrapper, whose copies
+    cannot run inside a compiled graph: such a model's eager steps stack their rows."""
+    from vllm.config import CompilationMode
+
+    if self.vllm_config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        return True
     try:
         from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
     except ImportError:  # a release without it: taken as compiled, the safe side
         return True
-    return has_compiled_submodule(model)
+    return has_compiled_submodule(self.model)
 
 
 def install_sink(self) -> None:
@@ -181,7 +185,7 @@ def install_sink(self) -> None:
         return
     modules = self.model.modules() if isinstance(self.model, torch.nn.Module) else ()
     holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
-    if holder is None or compiled_forward(self.model):
+    if holder is None or compiled_forward(self):
         return
     connector_class = getattr(self, "hidden_states_connector_class", None)
     cfg = config_from(self.vllm_config)
