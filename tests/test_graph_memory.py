@@ -51,3 +51,43 @@ def test_graph_pools_live_blocks_by_the_code_that_made_them():
     rows = graph_memory.compare(graph_memory.graph_pool_summary(snapshot(1)), s)
     assert rows[0] == (aux_key, 4 << 20, 12 << 20)
     assert rows[1][1] == rows[1][2] == 2 << 20
+
+
+MARK = {
+    "action": "alloc",
+    "size": graph_memory.MARK_BYTES,
+    "addr": 1,
+    "frames": [frame("/repo/benchmarks/graph_memory.py", 1, "_mark")],
+}
+
+
+def event(action: str, addr: int, size: int, frames=AUX) -> dict:
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+def test_capture_windows_sum_segments_and_what_outlives_them_by_the_code_that_asked():
+    trace = [
+        event("segment_alloc", 90, 1 << 30, MLP),  # before the window: not counted
+        MARK,
+        event("free_requested", 1, graph_memory.MARK_BYTES, MARK["frames"]),
+        event("segment_alloc", 100, 20 << 20),
+        event("alloc", 100, 4 << 20),  # alive at the window's end
+        event("alloc", 200, 4 << 20, MLP),
+        event("free_completed", 200, 4 << 20, MLP),  # freed inside: not alive
+        event("free_completed", 90, 1 << 20, MLP),  # allocated before: ignored
+        event("segment_free", 300, 2 << 20, MLP),
+        MARK,
+        event("alloc", 400, 8 << 20),  # after the window
+    ]
+    [w] = graph_memory.window_summary(trace)
+    aux_key = graph_memory.stack_key(AUX)
+    assert w["segments_allocated"] == [{"key": aux_key, "bytes": 20 << 20, "blocks": 1}]
+    assert w["segments_allocated_bytes"] == 20 << 20 and w["segments_freed_bytes"] == 2 << 20
+    assert w["alive_at_end"] == [{"key": aux_key, "bytes": 4 << 20, "blocks": 1}]
+    assert w["alive_at_end_bytes"] == 4 << 20
+
+
+def test_an_allocation_of_the_marks_size_elsewhere_is_no_mark():
+    other = dict(MARK, frames=MLP)
+    assert not graph_memory.is_mark(other) and graph_memory.is_mark(MARK)
+    assert graph_memory.window_summary([MARK, other, event("alloc", 5, 1 << 20)]) == []

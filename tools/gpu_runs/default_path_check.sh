@@ -13,8 +13,9 @@
 #   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat, the 4b shape
 #               (the writer's bytes at the highest rate) -> e2e.json                 (~4 min)
 #   6 memory    CUDA-graph memory and peak within one block of plain's (tests/gpu/test_gpu_memory.py)
-#   7 owners    who owns the CUDA-graph memory: torch's memory snapshot after plain's and ours'
-#               capture, grouped by the code that allocated (benchmarks/graph_memory.py) (~4 min)
+#   7 owners    who owns the CUDA-graph memory: torch's memory history over plain's, ours' and
+#               ours' with one layer id capture, 27b-8 shape, grouped by the code that allocated
+#               (benchmarks/graph_memory.py)                                       (~3 min)
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
 #   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
@@ -63,14 +64,20 @@ for step in ${STEPS:-1 2 3 4 5 6 7}; do
         ;;
     6) suite memory 420 tests/gpu/test_gpu_memory.py ;;
     7)
-        for v in plain ours; do
+        # plain, ours, and ours with one layer id (does the difference scale with the aux states?)
+        for v in plain ours ours1; do
             log "owners $v start"
-            python3 benchmarks/graph_memory.py --variant $v --out "$R/graph-memory-$v.json" \
+            args=(--variant "${v%1}")
+            [ "$v" = ours1 ] && args+=(--layers 4)
+            python3 benchmarks/graph_memory.py "${args[@]}" --out "$R/graph-memory-$v.json" \
                 >"$R/logs/graph-memory-$v.txt" 2>&1
             log "owners $v end rc=$?"
         done
-        python3 benchmarks/graph_memory.py --compare "$R/graph-memory-plain.json" \
-            "$R/graph-memory-ours.json" >"$R/graph-memory-compare.txt" 2>&1
+        for v in ours ours1; do
+            python3 benchmarks/graph_memory.py --compare "$R/graph-memory-plain.json" \
+                "$R/graph-memory-$v.json" >"$R/graph-memory-compare-$v.txt" 2>&1
+        done
+        head -c 6000 "$R/graph-memory-compare-ours.txt"
         ;;
     esac
 done
