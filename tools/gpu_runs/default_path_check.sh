@@ -49,7 +49,7 @@ for step in ${STEPS:-1 2 3 4 5 6 7}; do
             --results "$R/bench.json" >"$R/logs/bench.txt" 2>&1
         log "bench end rc=$?"
         ;;
-    2) suite accuracy 300 "tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer" \
+    2) suite accuracy 420 "tests/gpu/test_gpu_extract.py::test_hybrid_layer_by_layer" \
         tests/gpu/test_gpu_extract.py::test_hybrid_cudagraph ;;
     3) suite shutdown 600 \
         tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason ;;

@@ -78,6 +78,17 @@ def profile_step(self) -> None:
     del outputs, rows, positions
 
 
+def graph_aux_buffers(self) -> list[torch.Tensor]:
+    """The CUDA-graph manager's persistent aux output buffers, one [rows, hidden] view per layer
+    id, rows the largest capture size, all in one tensor made right after the allocator's cache
+    is emptied: a segment of their own, returned with them, not a block pinning a larger one."""
+    cc = self.vllm_config.compilation_config
+    rows = max([cc.max_cudagraph_capture_size or 0, *(cc.cudagraph_capture_sizes or [])])
+    torch.cuda.empty_cache()
+    shape = (len(set(self.hidden_states_layer_ids)), rows, self.model_config.get_hidden_size())
+    return list(torch.empty(shape, dtype=self.model_config.dtype, device=self.device).unbind(0))
+
+
 def _connector(self):
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
