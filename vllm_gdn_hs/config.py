@@ -26,7 +26,12 @@ class HiddenStatesConfig(BaseModel):
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
     host_buffers: int = Field(
-        2, ge=1, le=8, description="pinned host rows for this many of the largest steps"
+        3,
+        ge=1,
+        le=8,
+        # 3: an eager step with layer_by_layer takes its slot before its forward pass, while
+        # the drain may still file the two before it
+        description="pinned host rows for this many of the largest steps",
     )
     write_workers: int = Field(
         4,
