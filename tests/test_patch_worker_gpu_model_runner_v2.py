@@ -341,3 +341,41 @@ def test_other_connectors_are_untouched():
         so = harness.scheduler_output(None, {"a": 3})
         assert GPUModelRunner.execute_model(runner, so, None) is None
     assert calls == [{}] and not hasattr(runner, "hidden_states_connector")
+
+
+def test_capture_model_gives_vllms_graph_manager_one_tensor_of_aux_buffers_first(
+    hybrid_model, tmp_path
+):
+    """vLLM's CUDA-graph manager allocates its persistent aux buffers lazily, inside capture,
+    where they pin a cached segment of a kernel's workspace (0.78 GiB on an H100, measured by
+    benchmarks/graph_memory.py). The patched capture_model fills vLLM's own manager's list
+    before the original runs: a [largest capture size, hidden] view per layer id, all of one
+    tensor, which vLLM then keeps (it allocates only into an empty list)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    cfg = harness.engine_config(hybrid_model, layer_ids=(8, 1, 4), storage=str(tmp_path))
+    cfg.compilation_config.max_cudagraph_capture_size = 16
+    runner = _runner(cfg, _AuxModel())
+    harness._init_dist(cfg)
+    with set_current_vllm_config(cfg):
+        manager = ModelCudaGraphManager(cfg, runner.device, CUDAGraphMode.NONE, {1: 16})
+    assert manager.aux_hidden_states == []  # vLLM's own start: filled at the first capture
+    runner.cudagraph_manager = manager
+    seen = []
+    capture = lambda self, *a, **kw: seen.append(list(self.cudagraph_manager.aux_hidden_states))  # noqa: E731
+    with mock.patch.object(patch_mod, "_orig_capture_model", capture):
+        GPUModelRunner.capture_model(runner)
+        buffers = manager.aux_hidden_states
+        GPUModelRunner.capture_model(runner)  # the next capture keeps them
+    hidden = cfg.model_config.get_hidden_size()
+    assert [tuple(b.shape) for b in buffers] == [(16, hidden)] * 3
+    assert {b.untyped_storage().data_ptr() for b in buffers} == {buffers[0].data_ptr()}
+    assert all(b.dtype == cfg.model_config.dtype for b in buffers)
+    assert seen[0] == buffers and all(x is y for x, y in zip(seen[1], buffers, strict=True))
+
+    runner.hidden_states_layer_ids = None  # another connector, or none: vLLM's own way
+    manager.aux_hidden_states = []
+    with mock.patch.object(patch_mod, "_orig_capture_model", capture):
+        GPUModelRunner.capture_model(runner)
+    assert manager.aux_hidden_states == []
