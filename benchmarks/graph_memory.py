@@ -176,6 +176,7 @@ def watch_capture(torch, windows: list[dict]) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # as bench.py: no JIT build
     import torch
 
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=4_000_000)
