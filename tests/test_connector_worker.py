@@ -835,3 +835,20 @@ def test_stats_reach_vllms_prometheus_metrics(storage, monkeypatch, hybrid_model
     assert (done["writing"], done["backlog_bytes"], done["failed_total"]) == (0, 0, 0)
     assert done["steps_total"] == 2 and done["engine_save_seconds_total"] > 0
     w.close()
+
+
+def test_a_slot_filled_during_the_forward_pass_counts_only_take_and_hand_over(writer, storage):
+    """The layer sink takes its slot before the forward pass and hands it over after: the
+    forward pass between is the model's time, not the engine thread's time in save()."""
+    new(writer, storage, a=4)
+    slot = writer.take(4)
+    r = rows(4)
+    for column in range(L):
+        slot.fill_layer(column, r[:, column])
+    time.sleep(0.3)  # the forward pass
+    norms = torch.linalg.vector_norm(r.float(), dim=-1)
+    writer.save_taken(slot, ["a"], torch.tensor([0, 4], dtype=torch.int32), norms, torch.arange(4))
+    finish(writer, a=[1, 2, 3, 4])
+    writer.close(timeout=30)
+    assert writer.stats.steps == 1 and writer.stats.engine_save_s < 0.1
+    assert torch.equal(load_file(path_of(storage, "a"))["hidden_states"], r)

@@ -52,7 +52,7 @@ class HybridHiddenStatesConnectorWorker:
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
-        self._taken = (0.0, 0.0)  # (seconds waited, when) of the slot take() last gave
+        self._taken = (0.0, 0.0)  # (seconds waited, seconds in take()) of take()'s last slot
 
     # -- engine thread ----------------------------------------------------------------
     def on_metadata(self, meta: HybridHiddenStatesConnectorMetadata) -> None:
@@ -76,7 +76,7 @@ class HybridHiddenStatesConnectorWorker:
         """A slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
         slot, waited = self.ring.take(num_tokens)
-        self._taken = (waited, t0)
+        self._taken = (waited, time.perf_counter() - t0)
         return slot
 
     def save_taken(
@@ -87,10 +87,12 @@ class HybridHiddenStatesConnectorWorker:
         norms: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
+        t0 = time.perf_counter()
         slot.finish(norms, positions)
-        self._queue(slot, req_ids, query_start_loc_cpu, *self._taken)
+        waited, taking = self._taken  # the forward pass between take and here is not save()'s
+        self._queue(slot, req_ids, query_start_loc_cpu, waited, t0, taking)
 
-    def _queue(self, slot, req_ids, query_start_loc_cpu, waited, t0) -> None:
+    def _queue(self, slot, req_ids, query_start_loc_cpu, waited, t0, taking=0.0) -> None:
         if waited > 0.5:
             # Which side is behind: with files being written, the storage; with none, the
             # drain thread filing rows (on the GPU: fresh request buffers during prefill).
@@ -106,7 +108,8 @@ class HybridHiddenStatesConnectorWorker:
                 gauges["backlog_bytes"] / 1e9,
             )
         self.drain.tasks.put(StepRows(slot, req_ids, query_start_loc_cpu.tolist()))
-        self.book.add(steps=1, engine_waited_s=waited, engine_save_s=time.perf_counter() - t0)
+        spent = time.perf_counter() - t0 + taking
+        self.book.add(steps=1, engine_waited_s=waited, engine_save_s=spent)
         self.log_progress()
 
     @property
