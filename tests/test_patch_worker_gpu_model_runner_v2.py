@@ -343,14 +343,15 @@ def test_other_connectors_are_untouched():
     assert calls == [{}] and not hasattr(runner, "hidden_states_connector")
 
 
-def test_capture_model_gives_vllms_graph_manager_one_tensor_of_aux_buffers_first(
+def test_graph_aux_buffers_give_vllms_graph_manager_one_tensor_of_aux_buffers_first(
     hybrid_model, tmp_path
 ):
     """vLLM's CUDA-graph manager allocates its persistent aux buffers lazily, inside capture,
     where they pin a cached segment of a kernel's workspace (0.78 GiB on an H100, measured by
     benchmarks/graph_memory.py). The patched capture_model fills vLLM's own manager's list
     before the original runs: a [largest capture size, hidden] view per layer id, all of one
-    tensor, which vLLM then keeps (it allocates only into an empty list)."""
+    tensor, which vLLM then keeps (it allocates only into an empty list). Option
+    graph_aux_buffers, off until a GPU run measures it."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
@@ -358,6 +359,7 @@ def test_capture_model_gives_vllms_graph_manager_one_tensor_of_aux_buffers_first
     cfg.compilation_config.max_cudagraph_capture_size = 16
     runner = _runner(cfg, _AuxModel())
     harness._init_dist(cfg)
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
     with set_current_vllm_config(cfg):
         manager = ModelCudaGraphManager(cfg, runner.device, CUDAGraphMode.NONE, {1: 16})
     assert manager.aux_hidden_states == []  # vLLM's own start: filled at the first capture
@@ -365,6 +367,9 @@ def test_capture_model_gives_vllms_graph_manager_one_tensor_of_aux_buffers_first
     seen = []
     capture = lambda self, *a, **kw: seen.append(list(self.cudagraph_manager.aux_hidden_states))  # noqa: E731
     with mock.patch.object(patch_mod, "_orig_capture_model", capture):
+        GPUModelRunner.capture_model(runner)  # graph_aux_buffers off by default: vLLM's way
+        assert manager.aux_hidden_states == [] and seen.pop() == []
+        extra["graph_aux_buffers"] = True
         GPUModelRunner.capture_model(runner)
         buffers = manager.aux_hidden_states
         GPUModelRunner.capture_model(runner)  # the next capture keeps them

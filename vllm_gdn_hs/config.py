@@ -26,12 +26,7 @@ class HiddenStatesConfig(BaseModel):
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
     host_buffers: int = Field(
-        3,
-        ge=1,
-        le=8,
-        # 3: an eager step with layer_by_layer takes its slot before its forward pass, while
-        # the drain may still file the two before it
-        description="pinned host rows for this many of the largest steps",
+        2, ge=1, le=8, description="pinned host rows for this many of the largest steps"
     )
     write_workers: int = Field(
         4,
@@ -53,6 +48,13 @@ class HiddenStatesConfig(BaseModel):
         "model makes them, so a step's aux states are never all alive on it (the warm-up peak "
         "stays plain vLLM's, and so does the KV cache); bf16 files on Model Runner V2 (fp8 "
         "and V1 stack a step's rows after its forward pass)",
+    )
+    graph_aux_buffers: bool = Field(
+        False,
+        description="allocate vLLM's CUDA-graph aux output buffers before capture, in a "
+        "segment of their own (Model Runner V2): made lazily inside the capture they can pin a "
+        "GDN kernel's cached workspace segment, 0.78 GiB on an H100 (docs/memory.md); off "
+        "until a GPU run of the default path measures it",
     )
     write_backlog_gb: float = Field(
         16.0, gt=0, description="host memory of finished requests waiting for their file writes"

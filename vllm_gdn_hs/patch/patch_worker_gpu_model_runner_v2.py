@@ -11,8 +11,9 @@ How, only when the connector is configured:
   installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
 - ``profile_run``: the largest step's hand-over is allocated once, so the KV cache is sized
   with it (0.34.0's extensible KV cache keeps that peak free as headroom);
-- ``capture_model``: the CUDA-graph manager's persistent aux buffers are allocated first, as
-  one tensor in a segment of their own (:func:`~vllm_gdn_hs.patch.extraction.graph_aux_buffers`).
+- ``capture_model``, with ``graph_aux_buffers`` (off until a GPU run measures it): the
+  CUDA-graph manager's persistent aux buffers are allocated first, as one tensor in a segment
+  of their own (:func:`~vllm_gdn_hs.patch.extraction.graph_aux_buffers`).
   Left to vLLM, they are made lazily during capture, inside a cached segment that a GDN
   prefill kernel's workspace had made; they keep that segment from being returned: measured on
   an H100 (27B widths, 6 layer ids, FlashInfer's GDN kernel), 0.78 GiB of CUDA-graph memory,
@@ -35,6 +36,7 @@ from vllm.model_executor.models.interfaces import supports_eagle3
 from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 
+from vllm_gdn_hs.config import config_from
 from vllm_gdn_hs.patch import Patch, require
 from vllm_gdn_hs.patch.extraction import (
     graph_aux_buffers,
@@ -90,6 +92,7 @@ def capture_model(self, *args, **kwargs):
         getattr(self, "hidden_states_layer_ids", None)
         and manager is not None
         and not getattr(manager, "aux_hidden_states", True)  # vLLM fills it at first capture
+        and config_from(self.vllm_config).graph_aux_buffers
     ):
         manager.aux_hidden_states = graph_aux_buffers(self)
     return _orig_capture_model(self, *args, **kwargs)
