@@ -18,7 +18,8 @@ REFERENCE_CONFIG = packaged_config_path("Qwen/Qwen3.6-27B")
 # and every head count (head dims unchanged): about 3.0B non-embedding + 1.3B embedding params,
 # not a released checkpoint. "27b-8" is the 27B shape cut to 8 layers (two of them attention):
 # the same widths, so the same per-token memory of aux states and activations, in a minute.
-# "tiny" is a smoke test. Full attention is every 4th layer.
+# "35b-a3b" is the published Qwen3.5-35B-A3B text_config (ARCHITECTURES: the MoE class).
+# "tiny" is a smoke test. Full attention is every 4th layer. A key set to None is dropped.
 SHAPES = {
     "27b": {},
     "27b-8": dict(num_hidden_layers=8),
@@ -31,6 +32,25 @@ SHAPES = {
         linear_num_key_heads=8,
         linear_num_value_heads=24,
     ),
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B, config.json's text_config: the keys that differ
+    # from Qwen3.6-27B's; the rest (head and GDN head dims, conv kernel, attention every 4th
+    # layer, attn_output_gate, rope, vocabulary, fp32 GDN state) are the same. No dense MLP:
+    # every layer's MLP is 256 experts, 8 routed a token, plus a shared expert. Qwen3.6-35B-A3B
+    # has the same shape.
+    "35b-a3b": dict(
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        intermediate_size=None,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_value_heads=32,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        router_aux_loss_coef=0.001,
+    ),
     "tiny": dict(
         hidden_size=256,
         num_hidden_layers=8,
@@ -41,9 +61,25 @@ SHAPES = {
         linear_num_value_heads=4,
     ),
 }
-# Layer ids to extract (k = residual stream after k decoder layers). 64 layers: speculators'
-# EAGLE-3 style spread; 32 layers: the same positions halved.
-DEFAULT_LAYERS = {64: [1, 16, 31, 46, 61, 64], 32: [1, 8, 16, 23, 31, 32], 8: [1, 2, 4, 6, 7, 8]}
+# The top-level keys of a shape whose model class is not the reference's.
+ARCHITECTURES = {
+    "35b-a3b": dict(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe")
+}
+
+# Layer ids to extract (k = residual stream after k decoder layers): speculators' EAGLE-3 style
+# spread for 64 layers, [1, 16, 31, 46, 61, 64], and for n layers the same positions scaled to n
+# and rounded up, the fifth kept below the last (spread_layer_ids).
+EAGLE3_SPREAD_64 = (1, 16, 31, 46, 61)
+
+
+def spread_layer_ids(n: int) -> list[int]:
+    """EAGLE3_SPREAD_64 scaled to n layers (rounded up; the last kept below n), then n."""
+    ids = [-(-k * n // 64) for k in EAGLE3_SPREAD_64]
+    ids[-1] = min(ids[-1], n - 1)
+    return [*ids, n]
+
+
+DEFAULT_LAYERS = {n: spread_layer_ids(n) for n in (64, 40, 32, 8)}
 
 # The mixed workload: prompt lengths ~ lognormal(mu, sigma) tokens, clipped, fixed seed.
 MIXED_N, MIXED_MU, MIXED_SIGMA, MIXED_CLIP = 256, 6.93, 1.0, (16, 8192)  # median e^6.93 ~ 1024
@@ -60,8 +96,11 @@ def model_config(shape: str) -> dict:
     with open(REFERENCE_CONFIG) as f:
         cfg = json.load(f)
     cfg.pop("_comment", None)
+    cfg.update(ARCHITECTURES.get(shape, {}))
     text = cfg["text_config"]
     text.update(SHAPES[shape])
+    for key in [k for k, v in text.items() if v is None]:
+        del text[key]
     n = text["num_hidden_layers"]
     text["layer_types"] = [
         "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention"

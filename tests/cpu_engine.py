@@ -198,6 +198,18 @@ def kv_cache_specs(vllm_config: VllmConfig) -> dict:
         return specs
 
 
+def model_parameters(vllm_config: VllmConfig) -> int:
+    """The target model's parameter count as vLLM builds it (meta device: no memory, no
+    weights). Give it a config of its own: vLLM refuses to build a layer name twice."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    with set_current_vllm_config(vllm_config):
+        _init_dist(vllm_config)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=vllm_config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def _resolve_kv_cache_layout(vllm_config: VllmConfig, specs: dict) -> None:
     """vLLM 0.33.0: the engine core resolves one KV cache layout from what every worker's
     attention backends support, before it plans the KV cache; do the same for one worker."""

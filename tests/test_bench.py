@@ -222,6 +222,59 @@ def test_the_chat_workload_is_seeded_and_chat_shaped():
     assert workloads.make_workload("32x8192", 0).stats()["prompt_tokens"] == 262_144
 
 
+def test_default_layer_ids_follow_one_rule_40_layers_included():
+    """bench.py's default ids: speculators' EAGLE-3 spread for 64 layers, scaled to the others
+    (the 32- and 8-layer lists written before the rule are what it gives); 40 layers for the
+    35b-a3b shape. The launcher keeps its own rule (speculators' defaults)."""
+    import workloads
+
+    from vllm_gdn_hs.layer_ids import target_layer_ids
+
+    assert workloads.DEFAULT_LAYERS[64] == [1, 16, 31, 46, 61, 64]
+    assert workloads.DEFAULT_LAYERS[32] == [1, 8, 16, 23, 31, 32]
+    assert workloads.DEFAULT_LAYERS[8] == [1, 2, 4, 6, 7, 8]
+    assert workloads.DEFAULT_LAYERS[40] == [1, 10, 20, 29, 39, 40]
+    assert bench.parse_args(["--shape", "35b-a3b"]).layers == [1, 10, 20, 29, 39, 40]
+    assert target_layer_ids(None, 40) == [2, 20, 37, 40]
+
+
+def test_the_35b_a3b_shape_builds_in_vllm(tmp_path, capsys):
+    """Qwen3.5-35B-A3B's shape as bench.py writes its folder (config.json only): vLLM's
+    ModelConfig and VllmConfig take it as the MoE class, 40 layers of 256 experts; its layers,
+    built on the meta device with our connector and HMA on, make 30 GDN layers in three state
+    groups and 10 attention layers; vLLM builds as many parameters as roofline.py counts
+    (34.7B, no vision tower); the launcher's plan takes the folder with its 40-layer ids."""
+    import harness
+    import roofline
+    import workloads
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from vllm_gdn_hs.cli import launch
+
+    folder = workloads.write_model_dir(str(tmp_path), "35b-a3b")
+    kw = dict(enable_prefix_caching=False, max_model_len=8448)
+    cfg = harness.engine_config(
+        folder, connector=harness.OURS, layer_ids=workloads.DEFAULT_LAYERS[40], **kw
+    )
+    text = cfg.model_config.hf_text_config
+    assert cfg.model_config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    assert cfg.model_config.is_moe and not cfg.scheduler_config.disable_hybrid_kv_cache_manager
+    assert (text.hidden_size, text.num_hidden_layers, text.num_experts) == (2048, 40, 256)
+    assert (text.num_experts_per_tok, text.shared_expert_intermediate_size) == (8, 512)
+    groups = harness.kv_cache_config(cfg).kv_cache_groups
+    assert [(type(g.kv_cache_spec), len(g.layer_names)) for g in groups] == [
+        *[(MambaSpec, 10)] * 3,
+        (FullAttentionSpec, 10),
+    ]
+    plain = harness.engine_config(folder, connector=None, layer_ids=None, **kw)
+    counted = roofline.total_params(workloads.model_summary("35b-a3b"))
+    assert abs(harness.model_parameters(plain) - counted) < 1e-5 * counted  # norms, A_log, ...
+    rc = launch.main([folder, "--hidden-states-path", str(tmp_path / "hs"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 20, 37, 40]' in out
+
+
 WARMUP_LINE = (
     "(EngineCore pid=7) INFO 12-06 10:00:00 [extensible_kv_cache.py:694] Memory after warmup: "
     "1.5 GiB free, 60.25 GiB committed to the KV cache, 2.41 GiB kept for transient activations "
