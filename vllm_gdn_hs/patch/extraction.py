@@ -19,12 +19,18 @@ into every replay.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from vllm_gdn_hs.config import config_from, configured_layer_ids, is_ours
-from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
+from vllm_gdn_hs.hook import (
+    TakesHiddenStates,
+    TakesLayerRows,
+    hidden_states_connector,
+    hidden_states_connector_class,
+)
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
@@ -44,37 +50,55 @@ def layer_order(layer_ids) -> list[int]:
     return [ascending.index(i) for i in layer_ids]
 
 
+RUNNER_ATTR = "_vllm_gdn_hs"  # the one attribute the patches set on vLLM's runner
+
+
+@dataclass
+class Extraction:
+    """What the runner patches keep on vLLM's runner, under ``RUNNER_ATTR``."""
+
+    layer_ids: list[int]
+    order: list[int]  # layer_order(layer_ids)
+    connector_class: type[TakesHiddenStates]  # checked at startup
+    sink: LayerSink | None = None  # install_sink's, Model Runner V2 only
+    connector: TakesHiddenStates | None = None  # the first step's (made after profiling)
+
+
+def extraction(runner) -> Extraction | None:
+    """The runner's extraction, or None where the connector does not extract (another
+    connector, none, or a runner made without :func:`set_up_extraction`)."""
+    return getattr(runner, RUNNER_ATTR, None)
+
+
 def set_up_extraction(self, vllm_config) -> None:
     """After a runner's own ``__init__``: aux hidden states on, where the connector extracts."""
     ids = extraction_layer_ids(vllm_config)
-    self.hidden_states_layer_ids = ids
+    ours = None
     if ids:
         # At startup, not at the first step: the configured connector must take the rows.
-        self.hidden_states_connector_class = hidden_states_connector_class(vllm_config)
+        ours = Extraction(ids, layer_order(ids), hidden_states_connector_class(vllm_config))
         self.use_aux_hidden_state_outputs = True
-        self.hidden_states_order = layer_order(ids)
+    setattr(self, RUNNER_ATTR, ours)
 
 
 def profile_step(self) -> None:
     """Allocate what the stacked hand-over of the largest step allocates, inside ``profile_run``
     (its dummy forward drops the aux states at once). With the layer sink that is the largest
     step a CUDA graph runs; larger ones go through the sink."""
+    ours = cast(Extraction, extraction(self))
     num_tokens = self.max_num_tokens
-    if getattr(self, "hidden_states_sink", None) is not None:
+    if ours.sink is not None:
         num_tokens = min(num_tokens, largest_graph_step(self))
     if num_tokens == 0:
         return
     shape = (num_tokens, self.model_config.get_hidden_size())
     outputs = [  # the model's output and aux states, alive during the hand-over
         torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-        for _ in range(len(self.hidden_states_layer_ids) + 1)
+        for _ in range(len(ours.layer_ids) + 1)
     ]
     rows = torch.stack(outputs[1:], dim=1)
     positions = torch.empty(shape[0], dtype=torch.int64, device=self.device)
-    connector_class = getattr(self, "hidden_states_connector_class", None)
-    if connector_class is None:  # a runner made without set_up_extraction
-        connector_class = hidden_states_connector_class(self.vllm_config)
-    connector_class.profile_save_hidden_states(self.vllm_config, rows)
+    ours.connector_class.profile_save_hidden_states(self.vllm_config, rows)
     del outputs, rows, positions
 
 
@@ -85,16 +109,17 @@ def graph_aux_buffers(self) -> list[torch.Tensor]:
     cc = self.vllm_config.compilation_config
     rows = max([cc.max_cudagraph_capture_size or 0, *(cc.cudagraph_capture_sizes or [])])
     torch.cuda.empty_cache()
-    shape = (len(set(self.hidden_states_layer_ids)), rows, self.model_config.get_hidden_size())
+    ids = cast(Extraction, extraction(self)).layer_ids
+    shape = (len(set(ids)), rows, self.model_config.get_hidden_size())
     return list(torch.empty(shape, dtype=self.model_config.dtype, device=self.device).unbind(0))
 
 
-def _connector(self):
+def _connector(ours: Extraction) -> TakesHiddenStates:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    if getattr(self, "hidden_states_connector", None) is None:  # made after profiling
-        self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
-    return self.hidden_states_connector
+    if ours.connector is None:  # made after profiling
+        ours.connector = hidden_states_connector(get_kv_transfer_group())
+    return ours.connector
 
 
 def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
@@ -103,21 +128,22 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
     num_tokens = int(query_start_loc_cpu[-1])
     if num_tokens == 0:
         return
-    connector = _connector(self)
+    ours = cast(Extraction, extraction(self))
+    connector = _connector(ours)
     if not connector.wants_hidden_states():
         return  # a tensor-parallel rank that does not write: nothing to stack or copy
-    sink = getattr(self, "hidden_states_sink", None)
+    sink = ours.sink
     if sink is not None and sink.slot is not None:  # the rows left during the forward pass
         slot, norms = sink.slot, sink.norms
         sink.slot = sink.norms = None
-        if sink.taken != len(self.hidden_states_order):
+        if sink.taken != len(ours.order):
             raise RuntimeError(f"the model made {sink.taken} aux states in an eager step")
         cast(TakesLayerRows, connector).save_taken_rows(
             slot, req_ids, query_start_loc_cpu, norms, positions[:num_tokens].clone()
         )
         return
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
-    rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
+    rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in ours.order], dim=1)
     connector.save_hidden_states(
         hidden_states=rows,
         req_ids=req_ids,
@@ -189,7 +215,8 @@ def install_sink(self) -> None:
     slot, a strided copy that fails its check, or ``layer_by_layer`` off."""
     from vllm_gdn_hs.connector.staging import strided_copy_works  # the connector: lazily
 
-    self.hidden_states_sink = None
+    ours = cast(Extraction, extraction(self))
+    ours.sink = None
     try:
         from vllm.model_executor.models.interfaces import EagleModelMixin
     except ImportError:
@@ -198,11 +225,10 @@ def install_sink(self) -> None:
     holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
     if holder is None or compiled_forward(self):
         return
-    connector_class = getattr(self, "hidden_states_connector_class", None)
     cfg = config_from(self.vllm_config)
     if (
         getattr(holder, "use_sequence_parallel", False)
-        or not (isinstance(connector_class, type) and issubclass(connector_class, TakesLayerRows))
+        or not issubclass(ours.connector_class, TakesLayerRows)
         or not cfg.layer_by_layer
         or cfg.fp8
     ):
@@ -215,8 +241,8 @@ def install_sink(self) -> None:
             CONNECTOR_NAME,
         )
         return
-    sink = self.hidden_states_sink = LayerSink(
-        self.hidden_states_order,
+    sink = ours.sink = LayerSink(
+        ours.order,
         self.model_config.get_hidden_size(),
         self.model_config.dtype,
         self.device,
@@ -253,15 +279,16 @@ def largest_graph_step(self) -> int:
 def sink_open(self, num_tokens: int, dummy_run: bool):
     """Around one ``execute_model`` of ``num_tokens`` scheduled tokens: the sink open when the
     step runs eager, with a host slot when this rank writes the step's rows."""
-    sink = getattr(self, "hidden_states_sink", None)
-    if sink is None or num_tokens <= largest_graph_step(self):
+    ours = extraction(self)
+    if ours is None or ours.sink is None or num_tokens <= largest_graph_step(self):
         yield
         return
+    sink = ours.sink
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     slot = None
     if not dummy_run and has_kv_transfer_group():  # off in vLLM's warm-up and dummy runs
-        slot = cast(TakesLayerRows, _connector(self)).take_rows(num_tokens)
+        slot = cast(TakesLayerRows, _connector(ours)).take_rows(num_tokens)
     sink.start(num_tokens, slot)
     try:
         yield
