@@ -13,6 +13,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
 
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+
+logger = init_logger(__name__)
+
 
 @dataclass
 class WriterStats:
@@ -101,6 +105,12 @@ class StatsBook:
             delta |= {k: v for k, v in gauges.items() if v != self._reported.get(k, 0)}
             self._reported = now | gauges
         return delta
+
+
+def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
+    """One request got no hidden states: logged once with its id, and counted."""
+    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+    book.add(**{counter: 1})
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
-from vllm_gdn_hs.connector.stats import StatsBook
+from vllm_gdn_hs.connector.stats import StatsBook, failed
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import check_norms
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
@@ -188,9 +188,3 @@ class Writer:
     def _lost(self, job: WriteJob, why: str, counter: str = "lost_at_shutdown") -> None:
         self.storage.abandon(job.stored, why)
         failed(self.book, job.stored.req_id, why, counter)
-
-
-def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
-    """One request got no hidden states: logged once with its id, and counted."""
-    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
-    book.add(**{counter: 1})
