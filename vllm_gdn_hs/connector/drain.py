@@ -1,9 +1,6 @@
-"""The drain thread: each step's rows from the host ring into each request's rows, and each
-finished request to the writer, in the order the engine thread queued them.
-
-Rows are filed by token position (a position written again keeps the later row: chunked
-prefill and preemption come out right). A request's place in the storage belongs to its
-:class:`ActiveRequest` until it is handed to the writer or abandoned.
+"""The drain thread: each step's rows from the host ring into each request's rows (by token
+position: a position written again keeps the later row), and each finished request to the
+writer, in the order the engine thread queued them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The connector's scheduler side: where each request's hidden states go, and when it ended.
-
-Request ids and ``kv_transfer_params`` come from the network: they are checked before anything
-is opened. A request refused here is served as usual, its response's ``kv_transfer_params``
-carrying ``hidden_states_error`` (the reason). Nothing here raises into vLLM's ``schedule()``.
+``kv_transfer_params`` come from the network: a request they fail is served as usual, with
+``hidden_states_error`` (the reason) in its response; nothing raises into ``schedule()``.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# What an aborted request's response says; the shutdown patch (patch/shutdown.py) names the
-# shutdown's own reasons.
 ABORTED = "the request was aborted before it finished (client gone, or the server stopping)"
 
 
@@ -54,8 +50,7 @@ class HybridHiddenStatesConnectorScheduler:
         self._refused: dict[str, str] = {}  # request id -> why it gets no hidden states
         self._finished: list[FinishedRequest] = []
         self.abort_reason = ABORTED
-        # request id -> its response's kv_transfer_params, for vLLM's abort output (which
-        # carries none of its own); kept until the next step
+        # request id -> the params of vLLM's abort output (none of its own), until the next step
         self.aborted: dict[str, dict[str, Any]] = {}
         self.storage = storage_for(cfg)
         self.storage.open_scheduler_side(RowShape(layer_ids, hidden, dtype))

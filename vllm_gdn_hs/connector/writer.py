@@ -1,9 +1,7 @@
-"""The write pool: ``write_workers`` threads check each finished request's rows (a
-:class:`WriteJob` from the drain thread) and store them.
-
-The rows waiting are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and
-the engine slows to the speed of the writes instead of the host running out of memory. The
-threads are not daemons: if the process exits without ``close()``, they finish the queue.
+"""The write pool: ``write_workers`` threads (not daemons: they finish the queue) check each
+finished request's rows and store them. Past ``write_backlog_gb`` of rows waiting,
+:meth:`Writer.submit` waits: the engine slows to the writes' speed instead of running out of
+host memory.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """What both runner patches do: set extraction up, and hand a step's rows to the connector.
+Runner-neutral (it imports no runner); ``self`` is the runner in every function.
 
-Runner-neutral (it imports no runner), so that both runner patches import it on every release where
-their runner exists. ``self`` is the runner in every function.
-
-The layer sink (:class:`LayerSink`, Model Runner V2, ``layer_by_layer``, on by default): a model
-that collects its aux states in vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one
-alive until the forward pass ends, so at the last layers' activation peak five of six [tokens,
-hidden] copies are alive (0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing,
-and 1.75 times that out of the KV cache with its margin). In a step that runs eager the sink
-takes each one as the model makes it: its rows start for their column of a pinned host slot on
-the staging ring's side stream (after the compute stream made them, so the forward pass does not
-wait for the copy) and the model keeps an empty placeholder, so the copy is freed as soon as it
-is copied. Measured (docs/memory.md): ours' warm-up peak is plain vLLM's. CUDA-graph steps (at
-most the largest capture size) keep the stacked hand-over: a graph would bake one host address
-into every replay.
+The layer sink (:class:`LayerSink`, ``layer_by_layer``): in a step that runs eager, each aux
+state leaves for its column of a pinned host slot as the model makes it, and the model keeps an
+empty placeholder, so the aux states are never all alive at the activation peak (docs/memory.md).
+CUDA-graph steps keep the stacked hand-over: a graph would bake one host address into a replay.
 """
 
 from __future__ import annotations
@@ -82,9 +73,8 @@ def set_up_extraction(self, vllm_config) -> None:
 
 
 def profile_step(self) -> None:
-    """Allocate what the stacked hand-over of the largest step allocates, inside ``profile_run``
-    (its dummy forward drops the aux states at once). With the layer sink that is the largest
-    step a CUDA graph runs; larger ones go through the sink."""
+    """Inside ``profile_run``: allocate what the stacked hand-over of the largest step allocates
+    (with the layer sink, the largest step a CUDA graph runs)."""
     ours = cast(Extraction, extraction(self))
     num_tokens = self.max_num_tokens
     if ours.sink is not None:
@@ -103,9 +93,8 @@ def profile_step(self) -> None:
 
 
 def graph_aux_buffers(self) -> list[torch.Tensor]:
-    """The CUDA-graph manager's persistent aux output buffers, one [rows, hidden] view per layer
-    id, rows the largest capture size, all in one tensor made right after the allocator's cache
-    is emptied: a segment of their own, returned with them, not a block pinning a larger one."""
+    """The CUDA-graph manager's aux output buffers, one [largest capture, hidden] view per layer
+    id, all of one tensor made after the cache is emptied: a segment of their own."""
     cc = self.vllm_config.compilation_config
     rows = max([cc.max_cudagraph_capture_size or 0, *(cc.cudagraph_capture_sizes or [])])
     torch.cuda.empty_cache()
@@ -123,8 +112,7 @@ def _connector(ours: Extraction) -> TakesHiddenStates:
 
 
 def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
-    """Stack the scheduled tokens' aux states, layers in the configured order, into a fresh
-    tensor and give it, with a copy of their positions, to the connector."""
+    """Give the connector the scheduled tokens' rows (configured layer order) and positions."""
     num_tokens = int(query_start_loc_cpu[-1])
     if num_tokens == 0:
         return
@@ -153,12 +141,9 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
 
 
 class LayerSink:
-    """Takes each aux state from the model as it is made (see the module docstring). Open
-    only around the forward pass of a step that runs eager: with a slot (a writing rank's
-    step) each layer's scheduled rows start for their column of that pinned host slot and
-    their norms are taken; without one (dummy runs, vLLM's warm-up with the connector off, a
-    rank that does not write) they are dropped, so that vLLM's sizing steps see the memory real
-    steps use."""
+    """Takes each aux state from the model as it is made, while open (an eager step's forward
+    pass): with a slot, its rows go to their column and their norms are taken; without one
+    (dummy runs, warm-up, a rank that does not write) they are dropped, as real steps drop them."""
 
     def __init__(self, order: list[int], hidden: int, dtype, device):
         self.column = {k: j for j, k in enumerate(order)}  # ascending aux index -> file column
@@ -191,10 +176,8 @@ class LayerSink:
 
 
 def compiled_forward(self) -> bool:
-    """Whether vLLM runs the model's forward through torch.compile: its compiled submodules
-    (vLLM 0.34.0: Qwen3-Next, Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled), or
-    the whole model under ``STOCK_TORCH_COMPILE``. Dynamo would trace the wrapper, whose copies
-    cannot run inside a compiled graph: such a model's eager steps stack their rows."""
+    """Whether vLLM runs the forward through torch.compile (compiled submodules, as Qwen3-Next's
+    and Nemotron-H's on 0.34.0, or ``STOCK_TORCH_COMPILE``): dynamo would trace the sink."""
     from vllm.config import CompilationMode
 
     if self.vllm_config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE:
@@ -207,12 +190,10 @@ def compiled_forward(self) -> bool:
 
 
 def install_sink(self) -> None:
-    """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
-    that an open :class:`LayerSink` takes each aux state. Not installed (every step stacked)
-    without ``EagleModelMixin`` or a model using it, for a model vLLM compiles
-    (:func:`compiled_forward`), with sequence parallelism (the model concatenates the aux states
-    after the last layer), fp8 (a row's scale spans all layers), a connector that cannot take a
-    slot, a strided copy that fails its check, or ``layer_by_layer`` off."""
+    """After ``load_model`` (Model Runner V2): wrap ``_maybe_add_hidden_state`` so that an open
+    :class:`LayerSink` takes each aux state. Not installed (every step stacked) without
+    ``EagleModelMixin``, for a compiled model, with sequence parallelism, fp8 (a row's scale
+    spans its layers), a connector without slots, a failing strided copy, or the option off."""
     from vllm_gdn_hs.connector.staging import strided_copy_works  # the connector: lazily
 
     ours = cast(Extraction, extraction(self))
