@@ -39,12 +39,13 @@ from dataclasses import dataclass
 import worker
 from host import gpu_mem_used_mib, wait_gpu_released
 from logparse import (
+    compress_log,
     cut_detail,
     error_summary,
     gdn_backend_info,
     kv_cache_info,
     memory_info,
-    strip_ansi,
+    read_log,
     warmup_info,
     writer_info,
 )
@@ -128,8 +129,7 @@ def run_child(cmd: list[str], log_path: str, timeout: float, env: dict) -> tuple
             pass
         proc.wait()
     reader.join(timeout=30)
-    with open(log_path, errors="replace") as f:
-        return rc, strip_ansi(f.read())
+    return rc, read_log(log_path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -313,6 +313,7 @@ def run_variant(args, plan: Plan, budget: Budget, common: dict) -> list[dict]:
         )
     if not skip:
         rc, log = run_child(plan.cmd, log_path, timeout, plan.env)
+        log_path = compress_log(log_path)  # read: kept as log.gz
         wait_gpu_released()
         shutil.rmtree(spec["out_dir"], ignore_errors=True)  # a killed worker leaves files
     records = []

@@ -28,7 +28,14 @@ import urllib.request
 from datetime import datetime, timezone
 
 from host import git_commit, nvidia_smi, versions
-from logparse import gdn_backend_info, kv_cache_info, memory_info, strip_ansi, warmup_info
+from logparse import (
+    compress_log,
+    gdn_backend_info,
+    kv_cache_info,
+    memory_info,
+    read_log,
+    warmup_info,
+)
 from records import merge_results
 from workloads import (
     DEFAULT_LAYERS,
@@ -300,8 +307,8 @@ def run_backend(args, backend: str) -> dict:
             os.kill(master.pid, signal.SIGTERM)
             master.wait(30)
         shutil.rmtree(args.backend_dir(backend), ignore_errors=True)
-    with open(log_path, errors="replace") as f:
-        log = strip_ansi(f.read())
+    log = read_log(log_path)
+    log_path = compress_log(log_path)  # read: kept as log.gz
     if rec.get("status") != "ok":
         rec["log_tail"] = "\n".join(log.splitlines()[-25:])
     return dict(record_fields(args, backend, log), command=cmd, log=log_path, **rec)

@@ -1,9 +1,17 @@
 """What an engine log says: KV cache size, the writer's summary line, the root cause of a
-failed engine core, and the worker's progress marks (engine ready, generating)."""
+failed engine core, and the worker's progress marks (engine ready, generating). A finished run
+log is kept gzip-compressed (:func:`compress_log`) and read back either way (:func:`read_log`).
+
+    python benchmarks/logparse.py compress LOG...   # each LOG replaced by LOG.gz
+"""
 
 from __future__ import annotations
 
+import gzip
+import os
 import re
+import shutil
+import sys
 
 KV_SIZE_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -41,6 +49,31 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 def strip_ansi(text: str) -> str:
     return ANSI_RE.sub("", text)
+
+
+def compress_log(path: str) -> str:
+    """Replace the finished log ``path`` by ``path.gz`` (no name or time in the gzip header: the
+    same log gives the same bytes); the path it is at now (``path`` itself if there is none)."""
+    if not os.path.exists(path):
+        return path
+    with (
+        open(path, "rb") as src,
+        open(path + ".gz", "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as dst,
+    ):
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+    return path + ".gz"
+
+
+def read_log(path: str) -> str:
+    """A run log's text, ANSI codes stripped: ``path``, or where only its compressed form is
+    left (as records name the log they were read from), ``path.gz``."""
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        return strip_ansi(f.read())
 
 
 def kv_cache_info(log: str) -> dict:
@@ -135,3 +168,10 @@ def cut_detail(log: str, started: float, stopped: float, workload: str, tokens: 
         f"engine ready after {float(ready[-1]) - started:.0f} s; {workload} not done after "
         f"{took:.0f} s of generating: under {tokens / took:,.0f} tok/s"
     )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["compress"] or len(sys.argv) < 3:
+        sys.exit("usage: python benchmarks/logparse.py compress LOG...")
+    for log in sys.argv[2:]:
+        print(compress_log(log))

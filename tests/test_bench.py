@@ -10,6 +10,7 @@ plain vLLM on the V1 model runner.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 
@@ -26,6 +27,8 @@ from vllm_gdn_hs.connector.metadata import (
     NewRequest,
 )
 from vllm_gdn_hs.connector.worker import HybridHiddenStatesConnectorWorker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_writer_lines_parsed_from_the_log(tmp_path, caplog):
@@ -104,6 +107,8 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
             ]
         )
         calls.append(timeout)
+        with open(log_path, "w") as f:  # the tee's file, which bench keeps compressed
+            f.write(log)
         time.sleep(0.5)
         return (None if len(calls) == 1 else 1), log
 
@@ -125,6 +130,37 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
     ), cut["error"]
     assert cut["error_summary"] == cut["error"]
     assert crashed["error"] == "worker exited with status 1"
+    assert cut["log"].endswith(".log.gz") and not os.path.exists(cut["log"][: -len(".gz")])
+    assert logparse.ready_mark("upstream", 0)[:20] in logparse.read_log(cut["log"])
+
+
+def test_a_run_log_is_kept_compressed_and_read_back_either_way(tmp_path):
+    """compress_log replaces a finished log by LOG.gz, the same bytes for the same log (no name
+    or time in the header); read_log reads either, by either name, ANSI codes stripped."""
+    path = str(tmp_path / "engine.log")
+    for name in ("engine.log", "again.log"):
+        with open(tmp_path / name, "w") as f:
+            f.write("\x1b[1;36mINFO\x1b[0m KV cache size: 1,024 tokens\n")
+    assert logparse.compress_log(path) == path + ".gz" and not os.path.exists(path)
+    again = logparse.compress_log(str(tmp_path / "again.log"))
+    assert (tmp_path / "engine.log.gz").read_bytes() == (tmp_path / "again.log.gz").read_bytes()
+    assert (
+        logparse.read_log(path) == logparse.read_log(again) == "INFO KV cache size: 1,024 tokens\n"
+    )
+    assert logparse.compress_log(path) == path  # nothing there (any more): nothing done
+
+
+def test_the_stored_run_logs_are_compressed_and_their_records_read_them():
+    """benchmarks/results and tests/results keep no raw run log; every compressed one reads
+    back, and a record's log path (written as .log) finds its compressed log."""
+    roots = [os.path.join(REPO, "benchmarks", "results"), os.path.join(REPO, "tests", "results")]
+    logs = [os.path.join(d, f) for r in roots for d, _, fs in os.walk(r) for f in fs]
+    assert not [p for p in logs if p.endswith(".log")]
+    kept = [p for p in logs if p.endswith(".log.gz")]
+    assert kept and all(logparse.read_log(p) for p in kept)
+    named = {r.get("log") for r in records.load_records(os.path.join(roots[0], "h200.json"))}
+    found = [n for n in named if n and os.path.exists(os.path.join(REPO, n) + ".gz")]
+    assert found and all(logparse.read_log(os.path.join(REPO, n)) for n in found)
 
 
 def test_a_variant_without_records_gets_a_status():

@@ -235,7 +235,7 @@ def test_abort_after_scheduling(sched):
     assert "aborted" in params["hidden_states_error"] and "hidden_states_path" not in params
     so = sched.schedule()
     assert meta_of(so).finished_requests == [FinishedRequest("gone", None)]
-    assert "gone" not in sched.connector._scheduler._paths
+    assert "gone" not in sched.connector._scheduler._placed
 
 
 def test_abort_while_waiting_tells_worker_nothing(sched):

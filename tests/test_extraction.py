@@ -2,7 +2,8 @@
 
 Run: python -m pytest tests/test_extraction.py -q   (no GPU, no network)
 Covers: layer_order keeps the configured layer order; the connector's layer ids reach the
-runner through vLLM's own config (no speculative config left, no drafter); runner setup.
+runner through vLLM's own config (no speculative config left, no drafter); runner setup keeps
+what is ours under one prefixed attribute (vLLM's own ``use_aux_hidden_state_outputs`` aside).
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from __future__ import annotations
 import harness
 import pytest
 
-from vllm_gdn_hs.patch.extraction import extraction_layer_ids, layer_order
+from vllm_gdn_hs.patch.extraction import (
+    RUNNER_ATTR,
+    extraction,
+    extraction_layer_ids,
+    layer_order,
+    set_up_extraction,
+)
 
 
 @pytest.mark.parametrize(
@@ -35,3 +42,21 @@ def test_layer_ids_reach_the_runner_through_the_config(hybrid_model):
     stock = harness.engine_config(hybrid_model, connector=harness.STOCK)
     assert extraction_layer_ids(stock) is None
     assert stock.speculative_config is not None
+
+
+def test_the_runner_keeps_one_attribute_of_ours(hybrid_model):
+    import vllm_gdn_hs.plugin
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+
+    vllm_gdn_hs.plugin.register()  # what vLLM's plugin loader does in every process
+    cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
+    runner = type("Runner", (), {})()
+    set_up_extraction(runner, cfg)
+    assert set(vars(runner)) == {RUNNER_ATTR, "use_aux_hidden_state_outputs"}
+    ours = extraction(runner)
+    assert ours is not None and (ours.layer_ids, ours.order) == ([8, 1, 4], [2, 0, 1])
+    assert ours.connector_class is HybridHiddenStatesConnector
+    assert ours.sink is None and ours.connector is None
+    stock = type("Runner", (), {})()
+    set_up_extraction(stock, harness.engine_config(hybrid_model, connector=harness.STOCK))
+    assert extraction(stock) is None and set(vars(stock)) == {RUNNER_ATTR}

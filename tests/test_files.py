@@ -175,7 +175,4 @@ def test_the_format_names_what_hs_connectors_names():
     fp8_utils imports torch: check and doctor run without it); the two must stay one name."""
     from hs_connectors.fp8_utils import SCALES_KEY
 
-    from vllm_gdn_hs.storage.mooncake import MAX_KEY_STEM
-
     assert files.SCALES == SCALES_KEY
-    assert MAX_KEY_STEM == files.MAX_STEM

@@ -89,7 +89,8 @@ def test_the_runner_refuses_a_connector_that_takes_no_rows_when_it_is_made(monke
     cfg = _config(CONNECTOR_NAME, layer_ids=[1, 2])
     runner = type("Runner", (), {})()
     patch_mod.set_up_extraction(runner, cfg)
-    assert runner.hidden_states_connector_class is HybridHiddenStatesConnector
+    ours = patch_mod.extraction(runner)
+    assert ours is not None and ours.connector_class is HybridHiddenStatesConnector
     registry = dict(KVConnectorFactory._registry)
     registry[CONNECTOR_NAME] = lambda: ExampleHiddenStatesConnector
     monkeypatch.setattr(KVConnectorFactory, "_registry", registry)
@@ -105,7 +106,8 @@ def test_ranks_that_do_not_write_stack_nothing():
     ours = _bare(HybridHiddenStatesConnector, _worker=None)
     assert not ours.wants_hidden_states()
     runner = type("Runner", (), {})()
-    runner.hidden_states_connector, runner.hidden_states_order = ours, [0]
+    kept = patch_mod.Extraction([1], [0], HybridHiddenStatesConnector, connector=ours)
+    setattr(runner, patch_mod.RUNNER_ATTR, kept)
     calls = []
     ours.save_hidden_states = lambda **kw: calls.append(kw)
     aux = [_Exploding()]  # the rows would be stacked from these: untouched on this rank
@@ -113,7 +115,6 @@ def test_ranks_that_do_not_write_stack_nothing():
     assert calls == []
     ours._worker = object()  # the writing rank
     assert ours.wants_hidden_states()
-    runner.hidden_states_order = [0]
     patch_mod.hand_over(runner, [torch.ones(3, 4)], ["r"], torch.tensor([0, 3]), torch.arange(3))
     assert len(calls) == 1 and calls[0]["hidden_states"].shape == (3, 1, 4)
 

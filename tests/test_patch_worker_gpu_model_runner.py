@@ -40,7 +40,12 @@ from vllm_gdn_hs.connector import (  # noqa: E402
     NewRequest,
 )
 from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as patch_mod  # noqa: E402
-from vllm_gdn_hs.patch.extraction import layer_order  # noqa: E402
+from vllm_gdn_hs.patch.extraction import RUNNER_ATTR, Extraction, layer_order  # noqa: E402
+
+
+def _ours(layer_ids) -> Extraction:
+    """What the patched ``__init__`` keeps on the runner for our connector."""
+    return Extraction(list(layer_ids), layer_order(layer_ids), HybridHiddenStatesConnector)
 
 
 def test_patch_replaces_runner_methods():
@@ -50,10 +55,10 @@ def test_patch_replaces_runner_methods():
 
 def test_other_connectors_keep_vllms_aux_layers():
     runner = object.__new__(GPUModelRunner)
-    runner.hidden_states_layer_ids = None
+    setattr(runner, RUNNER_ATTR, None)
     runner.speculative_config = None
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) is None
-    runner.hidden_states_layer_ids = [8, 1, 4]
+    setattr(runner, RUNNER_ATTR, _ours([8, 1, 4]))
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(runner) == (8, 1, 4)
 
 
@@ -79,9 +84,9 @@ def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
         mock.patch.object(patch_mod, "_orig_profile_run", dummy_forward),
         mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy),
     ):
-        runner.hidden_states_layer_ids = [8, 1, 4]
+        setattr(runner, RUNNER_ATTR, _ours([8, 1, 4]))
         GPUModelRunner.profile_run(runner, randomize_inputs=False)  # 0.33.0's keyword
-        runner.hidden_states_layer_ids = None  # another connector, or none
+        setattr(runner, RUNNER_ATTR, None)  # another connector, or none
         GPUModelRunner.profile_run(runner)
     assert forwards == [{"randomize_inputs": False}, {}]
     assert handed == [(tokens, 3, hidden)]  # the largest step, once, after the forward
@@ -100,8 +105,7 @@ class _Model:
 
 def _runner(layer_ids):
     runner = object.__new__(GPUModelRunner)
-    runner.hidden_states_layer_ids = list(layer_ids)
-    runner.hidden_states_order = layer_order(layer_ids)
+    setattr(runner, RUNNER_ATTR, _ours(layer_ids))
     return runner
 
 

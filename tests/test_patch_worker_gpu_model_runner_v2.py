@@ -47,6 +47,23 @@ if runs_model_runner_v2():
         NewRequest,
     )
     from vllm_gdn_hs.patch import patch_worker_gpu_model_runner_v2 as patch_mod
+    from vllm_gdn_hs.patch.extraction import RUNNER_ATTR, Extraction, extraction, layer_order
+
+
+def _ours(layer_ids) -> Extraction:
+    """What the patched ``__init__`` keeps on the runner for our connector."""
+    return Extraction(list(layer_ids), layer_order(layer_ids), HybridHiddenStatesConnector)
+
+
+def _kept(runner) -> Extraction:
+    """What the patches keep on the runner: there, for our connector."""
+    ours = extraction(runner)
+    assert ours is not None
+    return ours
+
+
+def _sink(runner):
+    return _kept(runner).sink
 
 
 def test_patch_replaces_runner_methods():
@@ -70,15 +87,15 @@ def test_load_model_gives_the_connectors_layers_to_the_model():
 
     with mock.patch.object(patch_mod, "_orig_load_model", load):
         model = _Model()
-        runner.hidden_states_layer_ids = [8, 1, 4]
+        setattr(runner, RUNNER_ATTR, _ours([8, 1, 4]))
         GPUModelRunner.load_model(runner)
         assert model.aux_layers == (8, 1, 4)
         model = _Model()
-        runner.hidden_states_layer_ids = None  # another connector, or none: vLLM's own way
+        setattr(runner, RUNNER_ATTR, None)  # another connector, or none: vLLM's own way
         GPUModelRunner.load_model(runner)
         assert not hasattr(model, "aux_layers")
         model = object()
-        runner.hidden_states_layer_ids = [1]
+        setattr(runner, RUNNER_ATTR, _ours([1]))
         with pytest.raises(ValueError, match="SupportsEagle3"):
             GPUModelRunner.load_model(runner)
 
@@ -155,7 +172,7 @@ def test_profile_run_peak_covers_a_real_steps_hand_over(hybrid_model, tmp_path, 
     cfg.compilation_config.max_cudagraph_capture_size = 16
     runner = _runner(cfg, _AuxModel())
     if not sink:
-        runner.hidden_states_sink = None
+        _kept(runner).sink = None
     stacked = 16 if sink else runner.max_num_tokens
     hidden = cfg.model_config.get_hidden_size()
     with (
@@ -188,7 +205,7 @@ def test_eager_steps_stream_each_layer_as_the_model_makes_it(hybrid_model, tmp_p
     cfg = harness.engine_config(hybrid_model, layer_ids=layer_ids, storage=str(tmp_path))
     extra = cfg.kv_transfer_config.kv_connector_extra_config
     extra["layer_by_layer"] = False
-    assert _runner(cfg, _AuxModel()).hidden_states_sink is None
+    assert _sink(_runner(cfg, _AuxModel())) is None
     extra.pop("layer_by_layer")  # on by default
     hidden, n = cfg.model_config.get_hidden_size(), 40
     g = torch.Generator().manual_seed(0)
@@ -199,9 +216,9 @@ def test_eager_steps_stream_each_layer_as_the_model_makes_it(hybrid_model, tmp_p
     saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
     try:
         plain = _runner(cfg, _AuxModel())
-        plain.hidden_states_layer_ids = None  # no extraction: vLLM's own step
+        setattr(plain, RUNNER_ATTR, None)  # no extraction: vLLM's own step
         ours = _runner(cfg, _AuxModel())
-        assert ours.hidden_states_sink is not None
+        assert _sink(ours) is not None
         meta = HybridHiddenStatesConnectorMetadata(new_requests=[NewRequest("a", path, n)])
         conn.bind_connector_metadata(meta)
         peaks = {}
@@ -238,13 +255,13 @@ def test_a_model_vllm_compiles_keeps_its_own_aux_states(hybrid_model, tmp_path):
         "vllm.v1.worker.gpu.cudagraph_utils.has_compiled_submodule", lambda model: True
     ):
         runner = _runner(cfg, _AuxModel())
-    assert runner.hidden_states_sink is None
+    assert _sink(runner) is None
     assert "_maybe_add_hidden_state" not in vars(runner.model.inner)
     assert "_maybe_add_hidden_state" in vars(_runner(cfg, _AuxModel()).model.inner)
     from vllm.config import CompilationMode
 
     cfg.compilation_config.mode = CompilationMode.STOCK_TORCH_COMPILE  # the whole model
-    assert _runner(cfg, _AuxModel()).hidden_states_sink is None
+    assert _sink(_runner(cfg, _AuxModel())) is None
 
 
 @pytest.mark.smoke  # the releases with V2: its own InputBatch and KVConnector interface
@@ -275,7 +292,7 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
             v2_connector = ActiveKVConnector(cfg, {})  # vLLM's own, around the runner
             runner = object.__new__(GPUModelRunner)
             patch_mod.set_up_extraction(runner, cfg)  # what the patched __init__ adds
-            assert runner.hidden_states_layer_ids == list(layer_ids)
+            assert _kept(runner).layer_ids == list(layer_ids)
 
             def step(meta, sched, pad=3, dummy_run=False):
                 rows = torch.cat(
@@ -330,7 +347,7 @@ def fin(prompts):
 
 def test_other_connectors_are_untouched():
     runner = object.__new__(GPUModelRunner)
-    runner.hidden_states_layer_ids = None
+    setattr(runner, RUNNER_ATTR, None)
     calls = []
 
     def forward(self, scheduler_output, *args, **kwargs):
@@ -340,7 +357,7 @@ def test_other_connectors_are_untouched():
     with mock.patch.object(patch_mod, "_orig_execute_model", forward):
         so = harness.scheduler_output(None, {"a": 3})
         assert GPUModelRunner.execute_model(runner, so, None) is None
-    assert calls == [{}] and not hasattr(runner, "hidden_states_connector")
+    assert calls == [{}] and extraction(runner) is None
 
 
 def test_graph_aux_buffers_give_vllms_graph_manager_one_tensor_of_aux_buffers_first(
@@ -379,7 +396,7 @@ def test_graph_aux_buffers_give_vllms_graph_manager_one_tensor_of_aux_buffers_fi
     assert all(b.dtype == cfg.model_config.dtype for b in buffers)
     assert seen[0] == buffers and all(x is y for x, y in zip(seen[1], buffers, strict=True))
 
-    runner.hidden_states_layer_ids = None  # another connector, or none: vLLM's own way
+    setattr(runner, RUNNER_ATTR, None)  # another connector, or none: vLLM's own way
     manager.aux_hidden_states = []
     with mock.patch.object(patch_mod, "_orig_capture_model", capture):
         GPUModelRunner.capture_model(runner)

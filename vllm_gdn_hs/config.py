@@ -1,5 +1,5 @@
-"""The connector's options (``kv_connector_extra_config``), apart from the connector so that
-the launcher can check them before vLLM starts without importing torch or vLLM."""
+"""The connector's options (``kv_connector_extra_config``), parsed once (:func:`config_from`);
+apart from the connector, so that the launcher checks them without torch or vLLM."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 
 class HiddenStatesConfig(BaseModel):
+    """The connector's options, each explained in docs/options.md."""
+
     model_config = ConfigDict(extra="forbid")
 
     shared_storage_path: str = "/tmp/hidden_states"
@@ -28,52 +30,23 @@ class HiddenStatesConfig(BaseModel):
     host_buffers: int = Field(
         2, ge=1, le=8, description="pinned host rows for this many of the largest steps"
     )
-    write_workers: int = Field(
-        4,
-        ge=1,
-        le=64,
-        # vLLM's ExampleHiddenStatesConnector (0.22+) calls it num_writer_threads.
-        validation_alias=AliasChoices("write_workers", "num_writer_threads"),
-        description="threads writing files",
+    write_workers: int = Field(  # vLLM's ExampleHiddenStatesConnector: num_writer_threads
+        4, ge=1, le=64, validation_alias=AliasChoices("write_workers", "num_writer_threads")
     )
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
-    fp8: bool = Field(
-        False,
-        description="write hidden_states as float8_e4m3fn with one fp32 scale per token "
-        "(hidden_states_scales [T, 1, 1]), quantized on the GPU: speculators' fp8 backend",
-    )
-    layer_by_layer: bool = Field(
-        True,
-        description="in steps that run eager, copy each layer's rows out of the GPU as the "
-        "model makes them, so a step's aux states are never all alive on it (the warm-up peak "
-        "stays plain vLLM's, and so does the KV cache); bf16 files on Model Runner V2 (fp8 "
-        "and V1 stack a step's rows after its forward pass)",
-    )
+    fp8: bool = Field(False, description="float8_e4m3fn rows, one fp32 scale per token")
+    layer_by_layer: bool = Field(True, description="an eager step's rows leave layer by layer")
+    # off until a GPU run measures it (docs/memory.md)
     graph_aux_buffers: bool = Field(
-        False,
-        description="allocate vLLM's CUDA-graph aux output buffers before capture, in a "
-        "segment of their own (Model Runner V2): made lazily inside the capture they can pin a "
-        "GDN kernel's cached workspace segment, 0.78 GiB on an H100 (docs/memory.md); off "
-        "until a GPU run of the default path measures it",
+        False, description="vLLM's CUDA-graph aux buffers made before capture, apart"
     )
-    write_backlog_gb: float = Field(
-        16.0, gt=0, description="host memory of finished requests waiting for their file writes"
-    )
+    write_backlog_gb: float = Field(16.0, gt=0, description="host memory of rows awaiting writes")
     shutdown_drain_s: float = Field(
-        120.0,
-        ge=0,
-        le=86_400,
-        description="at shutdown (SIGINT, SIGTERM), seconds to finish writing every answered "
-        "request's file; any not written by then loses its lock and is counted in the log",
+        120.0, ge=0, le=86_400, description="seconds at shutdown for the answered requests' files"
     )
     allow_custom_save_path: bool = False
-    # As vLLM's ExampleHiddenStatesConnector: off only for offline runs whose files are read
-    # after the server has finished (no <file>.lock then; speculators' online reader needs it).
-    use_synchronization_lock: bool = True
-    # Where a client's own "hidden_states_path" may point, with allow_custom_save_path on;
-    # default: shared_storage_path. Anything resolving outside it is refused.
-    custom_save_root: str | None = None
-    # Set: the mooncake backend (vllm_gdn_hs.storage.mooncake), one object per request, no files.
+    use_synchronization_lock: bool = True  # off: no .lock (files read after the run only)
+    custom_save_root: str | None = None  # a client's own path must lie inside; default: shared
     mooncake: MooncakeOptions | None = None
 
     @model_validator(mode="after")
@@ -142,9 +115,8 @@ def extraction_config(
 
 
 def extra_config(kv_transfer_config) -> dict:
-    """``kv_connector_extra_config`` of a KV transfer config (vLLM's object, a dict, or None) as
-    given, unchecked: the one place that reads it. Readers take :func:`config_from`; this is for
-    the patch that fills it in and for options of others (``MultiConnector``'s)."""
+    """``kv_connector_extra_config`` (of vLLM's object, a dict, or None), unchecked: for the
+    patch that fills it in and others' options (``MultiConnector``'s); ours: :func:`config_from`."""
     if isinstance(kv_transfer_config, dict):
         extra = kv_transfer_config.get("kv_connector_extra_config")
     else:
@@ -163,8 +135,7 @@ def config_from(config) -> HiddenStatesConfig:
 
 
 def configured_layer_ids(kv_transfer_config) -> list[int]:
-    """The layer ids in the options, before the connector checks them (a patch reads them at
-    config time, where an error is not its to raise)."""
+    """The layer ids in the options, unchecked (patches leave errors to the connector)."""
     return list(extra_config(kv_transfer_config).get("layer_ids") or [])
 
 
@@ -174,7 +145,6 @@ def sub_connectors(kv_transfer_config) -> list[dict]:
     return [c for c in subs if isinstance(c, dict)]
 
 
-# -- shutdown: the time an engine core process needs after SIGTERM ---------------------------
 TEARDOWN_S = 30  # vLLM's teardown after the drain
 
 

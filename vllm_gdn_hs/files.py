@@ -1,9 +1,6 @@
-"""The hidden-states file format (no torch at import): names, paths, the write, the header.
-
-As speculators and vLLM's ``ExampleHiddenStatesConnector`` define it: ``<name>.safetensors``
-with ``hidden_states`` [T, L, H] and ``token_ids`` [T] int64 in the folder, complete once its
-``<file>.lock`` is released (:mod:`vllm_gdn_hs.locks`). Request ids come from the network:
-:func:`file_name` makes a name that cannot leave the folder; :func:`inside` checks every path.
+"""The speculators hidden-states file (no torch at import): ``<name>.safetensors`` holding
+``hidden_states`` [T, L, H] and ``token_ids`` [T] int64, complete once its ``.lock`` is released
+(:mod:`vllm_gdn_hs.locks`): its name (never leaving the folder), its write, its header.
 """
 
 from __future__ import annotations
@@ -23,24 +20,19 @@ from vllm_gdn_hs.locks import make_folder_again, wait_for_file
 
 SUFFIX = ".safetensors"
 SCALES = "hidden_states_scales"  # fp8: hs-connectors' fp8_utils.SCALES_KEY (which imports torch)
-# A name's stem is at most this long: with the suffixes (.safetensors.lock, our temp
-# suffix .tmp-<pid>-<thread>) it stays within the usual 255-byte limit of a file name.
-MAX_STEM = 160
+MAX_STEM = 160  # with .safetensors.lock or our temp suffix, within a name's 255 bytes
 _SAFE = re.compile(rb"[A-Za-z0-9._-]")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-# safetensors (0.5+) writes into a temp file of its own, ".tmp" + 6 random characters,
-# then renames it; ours is "<file>.tmp-<pid>-<thread id>".
+# Temp files: ours "<file>.tmp-<pid>-<thread id>", safetensors' (0.5+) ".tmp" + 6 characters.
 _OUR_TEMP = re.compile(re.escape(SUFFIX) + r"\.tmp-(\d+)-\d+$")
 _SAFETENSORS_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
 
 # -- names and paths ---------------------------------------------------------------------
 def file_name(request_id: str) -> str:
-    """The file name (without folder) for a request id; injective and safe as a name: each
-    UTF-8 byte outside ``[A-Za-z0-9._-]``, and a leading ``.``, becomes ``%XX`` (so no name is
-    hidden, ``.`` or ``..``; the empty id is ``%``). A stem longer than :data:`MAX_STEM` is cut
-    and ends in ``~`` (never produced otherwise) and 32 hex digits of its SHA-256. Ordinary ids
-    (``cmpl-<hex>-0-<hex>``) come out unchanged."""
+    """The file name for a request id, injective and safe: each UTF-8 byte outside
+    ``[A-Za-z0-9._-]``, and a leading ``.``, becomes ``%XX`` (the empty id: ``%``); a stem over
+    :data:`MAX_STEM` is cut, then ``~`` and 32 hex digits of its SHA-256. Ordinary ids stay."""
     raw = request_id.encode("utf-8", "surrogatepass")
     stem = "".join(
         chr(b) if _SAFE.match(bytes([b])) and not (i == 0 and b == 0x2E) else f"%{b:02X}"
@@ -80,8 +72,7 @@ def custom_path(path: str, root: str) -> str:
 
 
 def is_temp(name: str) -> int | None:
-    """For a temp file's name: the pid of the writer that made it (0 when its name does not
-    tell, as for safetensors' own); None for any other name."""
+    """A temp file's writer pid (0: safetensors', no pid); None for any other name."""
     if m := _OUR_TEMP.search(name):
         return int(m.group(1))
     return 0 if _SAFETENSORS_TEMP.match(name) else None
@@ -108,11 +99,8 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 
 # -- the write ---------------------------------------------------------------------------
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
-    """Write atomically (a temp file, then rename), with the umask's mode, making a missing folder
-    again. ``scales`` [T, 1, 1]: an fp8 file. The bytes are safetensors' own layout (what its
-    ``save_file`` writes), each tensor written from its memory: no copy, and the GIL released
-    while the bytes go out (safetensors' writer copies every tensor into a Python bytes object
-    first, holding the GIL the engine thread shares)."""
+    """Write atomically (temp file, rename) with the umask's mode, making a missing folder
+    again; ``scales`` [T, 1, 1]: an fp8 file. Written by :mod:`.safetensors_io`, without copies."""
     tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
     if scales is not None:
         tensors[SCALES] = scales
@@ -140,9 +128,8 @@ _DTYPE_BYTES = {
 
 
 def read_header(path: str) -> dict:
-    """The tensors of a safetensors file's header, each checked against the file (offsets match
-    shape and dtype, tile the data without gap or overlap, end where the file does); ValueError
-    naming what is wrong. Opens regular files only (never blocks on a FIFO or device)."""
+    """A safetensors file's tensors, their offsets checked against shapes, each other and the
+    file's size; ValueError naming what is wrong. Opens regular files only."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
@@ -203,8 +190,7 @@ def layout(tensors: dict) -> tuple[int, int, int, str]:
 
 
 def hidden_states_of(data: dict):
-    """A file's ``hidden_states`` as numbers: fp8 ones dequantized as hs-connectors'
-    ``FP8Transfer`` does (to bf16, times the token's scale)."""
+    """A file's ``hidden_states``, fp8 ones dequantized as hs-connectors' ``FP8Transfer`` does."""
     if SCALES not in data:
         return data["hidden_states"]
     from hs_connectors.fp8_utils import dequantize_fp8_tensor

@@ -1,7 +1,5 @@
-"""The hook between the patched model runner and the connector that takes its rows: checked at
-startup (:func:`hidden_states_connector_class`), sized in ``profile_run``, called after every
-forward pass. Apart from the connector, so that the patches import it without loading it.
-"""
+"""What the patched runner needs of the connector that takes its rows, apart from the connector
+so that the patches import it without loading it."""
 
 from __future__ import annotations
 
@@ -24,18 +22,15 @@ class TakesHiddenStates(Protocol):
         query_start_loc_cpu: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """One step's rows [tokens, L, H] in batch order, with request ids, query start locations
-        (CPU) and token positions. The runner drops the tensors after the call: a later copy
-        on another stream must keep them alive (``record_stream``)."""
+        """One step's rows [tokens, L, H] in batch order (the runner drops them after the call:
+        a copy on another stream must keep them alive)."""
 
     def wants_hidden_states(self) -> bool:
-        """Whether this rank's connector takes rows at all (tensor-parallel ranks that do not
-        write take none: the runner then stacks nothing)."""
+        """Whether this rank takes rows (else the runner stacks nothing)."""
 
     @staticmethod
     def profile_save_hidden_states(vllm_config: Any, hidden_states: torch.Tensor) -> None:
-        """The GPU work of ``save_hidden_states`` on dummy rows of the largest step, in the
-        runner's ``profile_run``, so that the KV cache is sized with its temporaries."""
+        """``save_hidden_states``' GPU work on the largest step's dummy rows, in ``profile_run``."""
 
 
 class RowSlot(Protocol):
@@ -53,8 +48,7 @@ class TakesLayerRows(TakesHiddenStates, Protocol):
     """A connector that also takes a step's rows layer by layer, during its forward pass."""
 
     def take_rows(self, num_tokens: int) -> RowSlot | None:
-        """A pinned host slot for a step's rows that the runner fills a layer at a time, or
-        None where the connector wants them stacked (a rank that does not write, fp8)."""
+        """A pinned host slot the runner fills a layer at a time, or None: stack them."""
 
     def save_taken_rows(
         self,
@@ -89,8 +83,7 @@ class HasShutdownDrain(Protocol):
 
 
 def hidden_states_connector(connector: object) -> TakesHiddenStates:
-    """The connector that takes the rows: the active one, or the one inside vLLM's
-    ``MultiConnector``; RuntimeError naming the fix if there is none."""
+    """The active connector, or the one inside ``MultiConnector``, that takes the rows."""
     for candidate in (connector, *getattr(connector, "_connectors", ())):
         if isinstance(candidate, TakesHiddenStates):
             return candidate
@@ -101,8 +94,7 @@ def hidden_states_connector(connector: object) -> TakesHiddenStates:
 
 
 def hidden_states_connector_class(vllm_config) -> type[TakesHiddenStates]:
-    """At startup, before any connector exists: the class that will take the rows (the
-    configured one, or one inside ``MultiConnector``); RuntimeError naming the fix if none."""
+    """At startup, before any connector exists: the class that will take the rows."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     kv = vllm_config.kv_transfer_config

@@ -1,6 +1,5 @@
-"""Layer ids: id k is the residual stream after k decoder layers (0: the embeddings; the
-model's layer count: the last layer's output, before the final norm). speculators' defaults and
-rule, and the check the launcher and the connector share."""
+"""Layer ids (k: the residual stream after k decoder layers): speculators' defaults and rule,
+and the check the launcher and the connector share."""
 
 from __future__ import annotations
 
@@ -14,15 +13,13 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
 def target_layer_ids(
     given: list[int] | None, num_hidden_layers: int, last: bool = True
 ) -> list[int]:
-    """speculators' launcher's rule: the defaults, or the ids given plus the last layer (with
-    ``last``, unless given)."""
+    """speculators' rule: the defaults, or the ids given plus the last layer (with ``last``)."""
     n = num_hidden_layers
     ids = list(given or default_layer_ids(n))
     return [*ids, n] if given and last and n not in ids else ids
 
 
 def validate_layer_ids(layer_ids: list[int], num_hidden_layers: int) -> list[int]:
-    """Layer id k is the residual stream after k decoder layers (0 = embeddings)."""
     n = num_hidden_layers
     if bad := [i for i in layer_ids if not 0 <= int(i) <= n]:
         raise ValueError(

@@ -1,7 +1,6 @@
-"""The ``.lock`` protocol of the hidden-states files, as speculators and vLLM's
-``ExampleHiddenStatesConnector`` define it: the writer ``flock``s ``<file>.lock`` before the
+"""The ``.lock`` protocol of speculators' files: the writer ``flock``s ``<file>.lock`` before the
 response leaves and releases it once the file is complete; the reader takes it, deletes it, and
-reads the file (:func:`take_finished`, :func:`wait_for_file`)."""
+reads the file."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ _LOGGER = "vllm.vllm_gdn_hs.files"  # inside vLLM's logger tree, as init_logger 
 
 
 def take_lock(path: str) -> int:
-    """Create and ``flock`` ``<path>.lock`` (exclusive, never waiting: BlockingIOError if held);
-    returns its descriptor. A missing folder is made again (a cleanup job may have removed it)."""
+    """``flock`` a new ``<path>.lock`` (exclusive; BlockingIOError if held), making a missing
+    folder again; its descriptor."""
     lock = path + LOCK_SUFFIX
     flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW
     try:
@@ -48,8 +47,7 @@ def make_folder_again(folder: str) -> None:
 
 
 def release_lock(fd: int | None, path: str, remove: bool) -> None:
-    """Let go of ``<path>.lock``; ``remove``: delete it first (no file will come, so a reader
-    fails at once instead of waiting)."""
+    """Let go of ``<path>.lock``; ``remove``: delete it first (no file will come)."""
     if fd is None:  # use_synchronization_lock off: no lock file was made
         return
     try:
@@ -62,8 +60,8 @@ def release_lock(fd: int | None, path: str, remove: bool) -> None:
 
 
 def lock_held(lock_path: str) -> bool | None:
-    """Whether a writer holds ``lock_path`` (None: this user may not open it). Probes with a
-    shared lock, released at once (a writer taking it meanwhile waits microseconds)."""
+    """Whether a writer holds ``lock_path`` (None: this user may not open it); probed with a
+    shared lock, released at once."""
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -81,8 +79,8 @@ def lock_held(lock_path: str) -> bool | None:
 
 
 def take_finished(path: str) -> bool:
-    """One non-blocking step of speculators' reader: False while a writer holds the lock; else
-    take and delete it and require the file (FileNotFoundError: the write failed or aborted)."""
+    """One step of speculators' reader: False while the lock is held; else take and delete it
+    and require the file."""
     try:
         fd = os.open(path + LOCK_SUFFIX, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:

@@ -1,14 +1,7 @@
-"""Whether vLLM's class for a model returns auxiliary hidden states, decided before anything loads.
-
-Extraction needs the model to implement vLLM's ``SupportsEagle3`` (its decoder collects the aux
-states with ``EagleModelMixin``). vLLM's model registry (``_TEXT_GENERATION_MODELS`` and
-``_MULTIMODAL_MODELS`` in ``vllm/model_executor/models/registry.py``) names each architecture's
-module and class; the class's bases are followed through the modules they come from until one is
-``SupportsEagle3``. Sources are read with ``ast``, never imported: a model module takes seconds
-to import (vLLM itself inspects them in a subprocess), and the launcher imports neither vLLM nor
-torch. An architecture this cannot decide (not in the registry: a plugin's, or one vLLM serves
-through its Transformers backend, which has aux outputs) is let through; the runner patch checks
-the loaded model again (``supports_eagle3``).
+"""Whether vLLM's class for a model implements ``SupportsEagle3`` (returns aux hidden states),
+decided before anything loads: the class vLLM's model registry names, and its bases, are read
+with ``ast`` from vLLM's sources, never imported (seconds a module). An architecture not in the
+registry is let through; the runner patch checks the loaded model again.
 """
 
 from __future__ import annotations
@@ -63,8 +56,7 @@ def _is_package(module: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def registered_classes() -> dict[str, tuple[str, str]]:
-    """Architecture -> (module, class) of vLLM's text-generation and multimodal models, as its
-    registry lists them (a module not under ``vllm.`` is relative to its models package)."""
+    """Architecture -> (module, class) of vLLM's text-generation and multimodal models."""
     tree = _parse(f"{_MODELS_PACKAGE}.registry")
     found: dict[str, tuple[str, str]] = {}
     for node in tree.body if tree else ():
@@ -84,21 +76,15 @@ def registered_classes() -> dict[str, tuple[str, str]]:
     return found
 
 
-def _bindings(tree: ast.Module):
-    """Top-level statements, those inside ``if``/``try`` blocks included, in order."""
-    for node in tree.body:
-        yield from _flatten(node)
-
-
-def _flatten(node):
-    if isinstance(node, ast.If | ast.Try):
-        for child in (*node.body, *getattr(node, "handlers", ()), *node.orelse):
-            yield from _flatten(child)
-    elif isinstance(node, ast.ExceptHandler):
-        for child in node.body:
-            yield from _flatten(child)
-    else:
-        yield node
+def _bindings(nodes):
+    """Statements, those inside ``if``/``try`` blocks included, in order."""
+    for node in nodes:
+        if isinstance(node, ast.If | ast.Try | ast.ExceptHandler):
+            yield from _bindings(
+                [*node.body, *getattr(node, "handlers", ()), *getattr(node, "orelse", ())]
+            )
+        else:
+            yield node
 
 
 def _base_name(expr: ast.expr) -> str | None:
@@ -112,8 +98,7 @@ def _base_name(expr: ast.expr) -> str | None:
 
 
 def _has_interface(module: str, name: str, seen: set[tuple[str, str]]) -> bool | None:
-    """Whether ``name`` in ``module`` is (or derives from) SupportsEagle3: None if one of vLLM's
-    modules on the way cannot be read."""
+    """Whether ``name`` in ``module`` derives from SupportsEagle3 (None: a module is unread)."""
     if name == AUX_INTERFACE:
         return True
     if (module, name) in seen:
@@ -124,7 +109,7 @@ def _has_interface(module: str, name: str, seen: set[tuple[str, str]]) -> bool |
     tree = _parse(module)
     if tree is None:
         return None
-    for node in _bindings(tree):  # the first binding wins (the CUDA branch in vllm.models.*)
+    for node in _bindings(tree.body):  # the first binding wins (the CUDA branch in vllm.models.*)
         if isinstance(node, ast.ClassDef) and node.name == name:
             answers = [
                 _has_interface(module, base, seen)
@@ -149,8 +134,7 @@ def has_aux_outputs(architecture: str) -> bool | None:
 
 
 def aux_outputs_problem(architectures) -> str | None:
-    """One line naming an architecture whose vLLM class has no aux hidden-state outputs, and what
-    the user can do; None if every architecture has them or cannot be judged here."""
+    """Why an architecture's vLLM class gives no aux hidden states, naming the fix; or None."""
     for arch in architectures or ():
         if has_aux_outputs(arch) is False:
             module, cls = registered_classes()[arch]

@@ -9,9 +9,8 @@ _registered = False
 
 
 def register() -> None:
-    """Register the connector by module path: its code is imported only when a config names it
-    (the patches are inert unless one does). On an unsupported vLLM it never raises (vLLM calls
-    it in every process): it warns and registers :mod:`vllm_gdn_hs.unsupported` instead."""
+    """Register the connector by module path (imported only when a config names it). On an
+    unsupported vLLM it warns and registers :mod:`vllm_gdn_hs.unsupported` instead."""
     global _registered
     if _registered:
         return

@@ -10,10 +10,8 @@ import tempfile
 
 
 def check_storage_path(path: str, make: bool = True) -> str | None:
-    """Why ``path`` cannot hold hidden-states files, or None: a file is made and removed in it
-    (the folder is made if missing). With ``make=False`` the same is tried where nothing is
-    left behind: the missing part of the path is made under a temporary name in the nearest
-    folder that exists, a file written in it, and all of it removed."""
+    """Why ``path`` cannot hold files, or None: a file is made and removed in it (the folder
+    made if missing; ``make=False``: its missing part under a temporary name, then removed)."""
     if make:
         return _probe(path, make=True)
     parent = path

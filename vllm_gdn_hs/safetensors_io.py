@@ -1,6 +1,5 @@
-"""safetensors files written from each tensor's own memory: the header safetensors writes, then
-each tensor's bytes, in its order (its ``save_file`` first copies every tensor into a Python
-bytes object, holding the GIL)."""
+"""safetensors files written from each tensor's memory (safetensors' ``save_file`` first copies
+each into a bytes object, holding the GIL the engine thread shares)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ _SAFETENSORS_DTYPES = {
 
 
 def safetensors_header(tensors: dict) -> tuple[bytes, list]:
-    """The header bytes of a safetensors file holding ``tensors`` (CPU torch tensors), and the
-    tensors in the order their data follows: by alignment, then name, as safetensors orders
-    them."""
+    """The header bytes of a safetensors file holding ``tensors``, and the tensors in the order
+    safetensors puts their data (by alignment, then name)."""
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     meta, offset = {}, 0
     for name in order:

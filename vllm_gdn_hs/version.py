@@ -1,9 +1,6 @@
-"""Which vLLM is installed, and whether this plugin supports it.
-
-:data:`RELEASES` is the one list of supported vLLM releases; :data:`REFUSED` names the
-published releases between them that the plugin refuses, with the reason. The ``vllm``
-requirement in ``pyproject.toml`` admits exactly RELEASES, one ``patches/*/VLLM_VERSIONS``
-lists each, and ``tests/test_register.py`` and ``tests/test_patches.py`` check that they agree.
+"""Which vLLM is installed, and whether this plugin supports it: :data:`RELEASES` is the one
+list of supported releases (``pyproject.toml``'s pin and ``patches/*/VLLM_VERSIONS`` agree, as
+tests check); :data:`REFUSED`, releases between them refused, with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 DIST_NAME = "vllm-gdn-hs"
-# Every published release from the first supported to the last (tests/matrix.sh installs each).
 RELEASES = (
     "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1",
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
@@ -25,12 +21,10 @@ RELEASES = (
 )  # fmt: skip
 REFUSED: dict[str, str] = {}
 NEEDS_OVERRIDES = ("0.34.0",)
-# Which runner extraction runs on: Model Runner V2 from 0.33.0, vLLM's default there (its patch
-# is written against 0.33.0's runner); V1 up to 0.33.0 (0.34.0 deleted it). On 0.33.0, V1 by
-# default (the GPU suite's runner there), V2 when VLLM_USE_V2_MODEL_RUNNER=1 asks for it.
+# The runner extraction runs on: V1 up to 0.33.0 (0.34.0 deleted it), Model Runner V2 from
+# 0.33.0 (there only with VLLM_USE_V2_MODEL_RUNNER=1).
 MODEL_RUNNER_V2_FROM = "0.33.0"
 V1_RUNNER_UNTIL = "0.33.0"
-V2_DEFAULT_FROM = "0.34.0"
 # From here vLLM's API server waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its engine cores.
 ENGINE_WAIT_FROM_ENV_FROM = "0.33.0"
 # Set to 1, a vLLM newer than RELEASES[-1] runs (patch/ probes every vLLM method it wraps).
@@ -89,16 +83,15 @@ def engine_wait_from_env(version: str | None = None) -> bool:
 
 
 def model_runner_v2_asked_for() -> bool:
-    """Whether extraction runs on Model Runner V2: where it is the only runner; where both are,
-    as ``VLLM_USE_V2_MODEL_RUNNER`` says (unset: from V2_DEFAULT_FROM on)."""
+    """Whether extraction runs on Model Runner V2: the only runner, or (beside V1) as
+    ``VLLM_USE_V2_MODEL_RUNNER`` says."""
     if not runs_model_runner_v2():
         return False
     if not has_v1_runner():
         return True
     import vllm.envs as envs
 
-    asked = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None)
-    return _at_least(V2_DEFAULT_FROM, None) if asked is None else bool(asked)
+    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
 
 
 def runner_in_use() -> str:
@@ -117,7 +110,7 @@ def runner_in_use() -> str:
 
 
 def describe_releases() -> str:
-    """The supported releases in a few words: ``<first> to <last>`` (``, except ...``)."""
+    """``<first> to <last>`` (``, except ...``)."""
     span = f"{RELEASES[0]} to {RELEASES[-1]}" if len(RELEASES) > 2 else " or ".join(RELEASES)
     return span + (f", except {', '.join(sorted(REFUSED))}" if REFUSED else "")
 
@@ -160,7 +153,7 @@ def untested_note(version: Version) -> str:
 
 def check_vllm(version: Version | None = None) -> Version:
     """The installed vLLM version, or UnsupportedVllmError naming the supported ones and the
-    nearest (a newer release passes with ``ALLOW_UNTESTED=1``)."""
+    nearest (a newer one passes with ``ALLOW_UNTESTED=1``)."""
     version = version if version is not None else installed_vllm()
     if version is None:
         raise UnsupportedVllmError(

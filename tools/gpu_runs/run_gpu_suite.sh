@@ -3,7 +3,7 @@
 # ${SITE:-/tmp/site} (an offline GPU machine: unpack vLLM's wheels there; one folder per
 # vLLM release, e.g. SITE=/tmp/site26 for 0.26.0). Installs this checkout there
 # (vLLM finds plugins only by entry point), then runs the GPU tests
-# and the demo, writing logs and JSON figures to ${OUT:-./gpu-out}.
+# and the demo, writing JSON figures and gzip-compressed logs (zcat them) to ${OUT:-./gpu-out}.
 #   bash tools/gpu_runs/run_gpu_suite.sh [pytest node ids...]   (default: every GPU test)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,4 +43,5 @@ if [ "${RUN_DEMO:-1}" = 1 ]; then
     echo "demo exit $?" >> "$OUT/env.txt"
     grep -v "^INFO\|^(EngineCore\|^WARNING\|^\[" "$OUT/demo.log" | tail -12
 fi
+gzip -9nf "$OUT/gpu.log" "$OUT/demo.log" 2>/dev/null  # read above; kept compressed
 cat "$OUT/env.txt"

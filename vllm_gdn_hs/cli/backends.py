@@ -1,7 +1,5 @@
-"""The launcher's hidden-state backends (``--hidden-states-backend``, speculators' names): each
-one's options, its storage check before vLLM starts, and its ``kv_transfer_config``. A backend
-has up to three halves: the launcher's ``*Launch`` (here), the connector's ``*Storage``
-(:mod:`vllm_gdn_hs.storage`) and the trainer's ``*Train`` (:mod:`vllm_gdn_hs.cli.train`).
+"""The launcher's half of each ``--hidden-states-backend`` (speculators' names): its options,
+its storage check and its ``kv_transfer_config`` (the connector's half: :mod:`vllm_gdn_hs.storage`).
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ class FileLaunch:
 
     @classmethod
     def check_storage(cls, args: argparse.Namespace) -> None:
-        """The folder must take files before vLLM starts: made if missing; a dry run tries the
-        same where it leaves nothing behind (:func:`probes.check_storage_path`)."""
+        """The folder must take files (a dry run probes where it leaves nothing behind)."""
         path = cls.storage_options(args)["shared_storage_path"]
         if why := probes.check_storage_path(path, make=not args.dry_run):
             raise LaunchError(
@@ -87,15 +84,13 @@ class FileLaunch:
 
 
 class FP8Launch(FileLaunch):
-    """speculators' ``fp8`` backend: the same files with ``hidden_states`` in float8_e4m3fn and
-    one fp32 scale per token, quantized on the GPU (the copy out and host memory halve too)."""
+    """speculators' ``fp8`` backend: float8_e4m3fn rows, one fp32 scale per token."""
 
     options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 class MooncakeLaunch(FileLaunch):
-    """speculators' ``mooncake`` backend: one object per request in a Mooncake store
-    (``docs/mooncake.md``), with hs-connectors' own ``--mooncake-*`` options."""
+    """speculators' ``mooncake`` backend, with hs-connectors' own ``--mooncake-*`` options."""
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +106,7 @@ class MooncakeLaunch(FileLaunch):
 
     @classmethod
     def storage_options(cls, args: argparse.Namespace) -> dict:
-        """``mooncake`` as hs-connectors' launcher config has it (this host's address from
-        MOONCAKE_LOCAL_HOSTNAME, else its name), less fields a later hs-connectors adds."""
+        """``mooncake`` as hs-connectors' launcher has it, less fields a later one adds."""
         from hs_connectors.transfer import MooncakeBackend as Theirs
 
         theirs = extra_config(Theirs.build_kv_transfer_config(args))
@@ -121,8 +115,7 @@ class MooncakeLaunch(FileLaunch):
 
 
 class MooncakeFP8Launch(MooncakeLaunch):
-    """``mooncake`` with objects in the fp8 files' layout (half the bytes); not speculators':
-    the trainers run ``python -m vllm_gdn_hs.cli.train`` (:mod:`.train`)."""
+    """``mooncake`` with fp8 objects; not speculators': trainers run :mod:`.train`."""
 
     options: ClassVar[dict[str, Any]] = {"fp8": True}
 

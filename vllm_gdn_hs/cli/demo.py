@@ -1,7 +1,5 @@
-"""``vllm-gdn-hs demo``: hidden states of a tiny random Qwen3.5 hybrid model (GDN and full
-attention) extracted through ``LLM(...)``, each file compared with HF transformers on the same
-weights. Without a GPU it says so in one line (exit 2).
-"""
+"""``vllm-gdn-hs demo``: hidden states of a tiny random Qwen3.5 hybrid model extracted through
+``LLM(...)``, each file held to HF transformers on the same weights (a GPU needed)."""
 
 from __future__ import annotations
 
@@ -22,8 +20,8 @@ def tiny_hybrid_config(
     linear_num_key_heads: int = 2,
     linear_num_value_heads: int = 4,
 ) -> dict:
-    """A tiny Qwen3.5 config: GDN layers with full attention every 4th, GDN heads of 64 dims
-    (value heads a multiple of key heads), a tiny vision tower (``language_model_only``)."""
+    """A tiny Qwen3.5 config: full attention every 4th layer, GDN heads of 64 dims (value heads
+    a multiple of key heads), a tiny vision tower."""
     layer_types = [
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
         for i in range(num_hidden_layers)

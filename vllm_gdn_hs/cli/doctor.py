@@ -1,6 +1,5 @@
-"""``vllm-gdn-hs doctor``: what is installed and whether it will work here, row by row as each is
-known: package metadata, this host (:mod:`.host`), a model, a folder, a Mooncake master, and with
-``--load`` the plugin as vLLM loads it. No GPU needed."""
+"""``vllm-gdn-hs doctor``: what is installed and whether it will work here, a row as each is
+known (this host's rows: :mod:`.host`). No GPU needed."""
 
 from __future__ import annotations
 
@@ -13,11 +12,7 @@ from itertools import groupby
 from vllm_gdn_hs import version
 from vllm_gdn_hs.cli.backends import mooncake_checks
 from vllm_gdn_hs.cli.host import Row, gpu_checks, host_memory_checks, storage_checks
-from vllm_gdn_hs.cli.model_info import (
-    ModelConfigError,
-    ModelInfo,
-    read_model_info,
-)
+from vllm_gdn_hs.cli.model_info import ModelConfigError, ModelInfo, read_model_info
 from vllm_gdn_hs.layer_ids import target_layer_ids, validate_layer_ids
 from vllm_gdn_hs.model_support import aux_outputs_problem, has_aux_outputs
 from vllm_gdn_hs.names import CONNECTOR_NAME
@@ -33,9 +28,8 @@ def _compress(ids: list[int]) -> str:
 
 
 def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], list[str]]:
-    """Files inside packages that two or more installed distributions claim (their ``RECORD``s), by
-    the claiming distributions. Which wheel's copy won depends on the unpacking order: cuda-python <
-    12.8 carries cuda.bindings' own files, which break torch's cuda-bindings 13 when they win."""
+    """Files that two or more installed distributions' ``RECORD``s claim, by claimants (e.g.
+    cuda-python < 12.8's copies of cuda.bindings break torch's cuda-bindings 13 if they win)."""
     owners: dict[str, set[str]] = {}
     dists = metadata.distributions(path=path) if path else metadata.distributions()
     for dist in dists:
@@ -53,7 +47,7 @@ def overlapping_files(path: list[str] | None = None) -> dict[tuple[str, ...], li
 
 
 def install_checks() -> list[Row]:
-    """No two distributions own the same file: the row ``.ci/run`` and a user's doctor share."""
+    """No two distributions own the same file (``.ci/run`` runs this row too)."""
     rows: list[Row] = []
     for names, paths in overlapping_files().items():
         fix = " ".join(f"--reinstall-package {n}" for n in names)
@@ -97,8 +91,7 @@ LOAD = "--load: it imports vLLM and torch, about a minute on 2 cores)"
 
 
 def package_checks() -> list[Row]:
-    """vLLM, torch and transformers as installed, and the plugin's entry point: package
-    metadata alone, nothing imported."""
+    """vLLM, torch, transformers and the plugin's entry point, from package metadata alone."""
     vllm_v = version.installed_vllm()
     try:
         version.check_vllm()
@@ -117,8 +110,8 @@ def package_checks() -> list[Row]:
 
 
 def load_checks(load: bool, needs: str | None = None) -> list[Row]:
-    """With ``load``: the plugin loaded by vLLM's own loader, its patches and the runner. A
-    check whose prerequisite failed (``needs``) or was not asked for says ``skipped``."""
+    """With ``load``: the plugin through vLLM's own loader, its patches and the runner; else,
+    or when ``needs`` (a prerequisite) failed, ``skipped``."""
     later = ("runtime patches", "model runner")
     if needs:
         return [(item, f"{SKIPPED}{needs})", None) for item in (PLUGIN, *later)]
@@ -161,9 +154,8 @@ def iter_checks(
     layer_ids: list[int] | None = None,
     load: bool = False,
 ) -> Iterator[list[Row]]:
-    """Groups of rows, each as soon as it is known: the model first (an unreachable hub fails
-    in seconds), then what package metadata and /proc tell, the RECORD scan (a second or
-    two), the folder, the master and, with ``load``, vLLM's loader (a minute)."""
+    """Groups of rows as each is known, the quick first (the model, metadata, /proc, RECORDs),
+    then the folder, the master and, with ``load``, vLLM's loader (a minute)."""
     info = None
     if model:
         rows, info = model_checks(model)

@@ -1,6 +1,5 @@
-"""What ``doctor`` reads off this host, without CUDA, torch or vLLM: the hidden-states folder
-(could the launcher make it, its free space, its write speed), host memory under a batch job's
-cgroup too, and the GPUs NVIDIA's driver lists."""
+"""What ``doctor`` reads off this host without CUDA, torch or vLLM: the folder, host memory (a
+job's cgroup too) and the GPUs NVIDIA's driver lists."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
 def storage_checks(
     path: str, hidden_size: int | None = None, layer_ids: list[int] | None = None
 ) -> Iterator[list[Row]]:
-    """The hidden-states folder: could the launcher make it and write there (probed where it
-    leaves nothing), its free space, and write speed: the probe's size and place are said in a
-    row before it writes. With the model's ``hidden_size``, bytes per token at ``layer_ids``."""
+    """The folder: could the launcher make it, free space, write speed (the probe said before it
+    writes); with ``hidden_size`` and ``layer_ids``, bytes per token."""
     if why := check_storage_path(path, make=False):
         fix = "pass a writable folder with --hidden-states-path DIR"
         yield [("hidden-states path", path, f"{path} is not writable ({why}): {fix}")]
@@ -93,8 +91,7 @@ def _read_int(path: str) -> int | None:
 
 
 def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes this process's memory cgroup may still take, where a limit is set (cgroup v2 or
-    v1, as batch schedulers such as Slurm set per job); None without one."""
+    """Bytes this process's memory cgroup (v2 or v1, as Slurm sets) may still take, or None."""
     try:
         with open(os.path.join(proc, "self", "cgroup")) as f:
             lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
@@ -116,8 +113,7 @@ def memory_limit(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int 
 
 
 def host_memory_checks(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> list[Row]:
-    """Host memory against the writer's default write_backlog_gb. A FAIL only where a memory
-    cgroup caps the job below it (the kernel would kill the server when the backlog fills)."""
+    """Host memory against the default write_backlog_gb: FAIL where a cgroup caps it lower."""
     backlog_gb = HiddenStatesConfig.model_fields["write_backlog_gb"].default
     avail = None
     errors = (OSError, StopIteration, ValueError, IndexError)

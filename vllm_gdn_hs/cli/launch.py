@@ -1,10 +1,6 @@
-"""Start ``vllm serve`` for hidden-state extraction: a drop-in for speculators' launcher.
-
-speculators' ``scripts/launch_vllm.py`` (0.9.0) with ``HybridHiddenStatesConnector`` (GDN
-hybrid models run with vLLM's hybrid KV cache manager on). It adds ``--no-enable-prefix-caching``
-and, for multimodal checkpoints, ``--language-model-only`` unless given after ``--``; merges a
-``--kv-transfer-config`` given after ``--`` into its own; and fails before vLLM starts on bad
-input, an option it does not know before ``--`` or a flag that contradicts extraction.
+"""Start ``vllm serve`` for hidden-state extraction: speculators' ``scripts/launch_vllm.py``
+(0.9.0) with ``HybridHiddenStatesConnector``. It fails before vLLM starts on bad input, an
+unknown option before ``--`` or a vLLM flag that contradicts extraction (:mod:`.serve_args`).
 """
 
 from __future__ import annotations
@@ -86,9 +82,8 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
 
 
 def parse_args(argv: list[str], prog: str = "launch_vllm.py") -> argparse.Namespace:
-    """Launcher options before ``--``; ``vllm_args`` holds everything after it. An option the
-    launcher does not know is refused (exit 2) with the nearest known one: speculators'
-    launcher forwards it to vLLM, where a misspelt launcher flag would be taken silently."""
+    """Launcher options before ``--``; ``vllm_args`` holds everything after it. An unknown
+    option is refused (exit 2) with the nearest known one, not forwarded as speculators' does."""
     cut = argv.index("--") if "--" in argv else len(argv)
     argv, after = list(argv[:cut]), list(argv[cut + 1 :])
     mooncake = any("mooncake" in a for a in argv)  # the backend's name, or its options
@@ -120,8 +115,7 @@ def unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
 
 
 def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
-    """speculators' rule: defaults, or the user's ids plus the last layer. Ids are checked
-    first, so a warning never speaks of an id that is then refused."""
+    """speculators' rule: defaults, or the user's ids plus the last layer; checked, then warned."""
     n = num_hidden_layers
     ids = target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
     ids = validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
@@ -175,8 +169,7 @@ def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
 
 
 def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = None) -> LaunchPlan:
-    """The plan for ``args`` (from :func:`parse_args`), from the arguments and the model's
-    config alone: nothing is probed or made (:func:`preflight` does that)."""
+    """The plan, from the arguments and the model's config alone (:func:`preflight` probes)."""
     backend = backend_of(args)
     info = info or model_info.read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     if why := model_support.aux_outputs_problem(info.architectures):
@@ -207,8 +200,8 @@ def gpu_visible() -> bool:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """Every probe before ``vllm serve`` would fail after minutes: the vLLM release (and on an
-    untested one the methods the patches wrap), a visible GPU (not with --dry-run), storage."""
+    """What would fail ``vllm serve`` after minutes: the vLLM release (and the methods the
+    patches wrap), a visible GPU (not with --dry-run), the storage."""
     try:
         check_vllm()
         if is_untested():  # allowed: fail here, not in vllm serve, if a patched method is gone

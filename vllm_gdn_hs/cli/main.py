@@ -7,13 +7,8 @@ import argparse
 import sys
 from importlib import metadata
 
-from vllm_gdn_hs.cli.model_info import (
-    PACKAGED_CONFIGS,
-    flat,
-    layer_ids_arg,
-    reference_folder,
-    write_config,
-)
+from vllm_gdn_hs.cli import model_info
+from vllm_gdn_hs.cli.model_info import flat, layer_ids_arg
 
 HELP = argparse.ArgumentDefaultsHelpFormatter
 
@@ -77,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         "Write a supported model's config.json into a folder, without network: enough for "
         "launch --dry-run and doctor on a machine that cannot reach the HF hub.",
     )
-    cfg.add_argument("model", choices=sorted(PACKAGED_CONFIGS), help="the model's hub id")
+    cfg.add_argument(
+        "model", choices=sorted(model_info.PACKAGED_CONFIGS), help="the model's hub id"
+    )
     cfg.add_argument("dir", help="the folder to write config.json into (made if missing)")
     sub.add_parser(
         "launch",
@@ -128,15 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from vllm_gdn_hs.cli.doctor import run_doctor
 
-        return run_doctor(
-            args.model,
-            args.hidden_states_path,
-            args.mooncake_master,
-            flat(args.target_layer_ids),
-            args.load,
-        )
+        ids = flat(args.target_layer_ids)
+        return run_doctor(args.model, args.hidden_states_path, args.mooncake_master, ids, args.load)
     if args.command == "config":
-        print(f"wrote {write_config(args.model, args.dir)}")
+        print(f"wrote {model_info.write_config(args.model, args.dir)}")
         return 0
     if args.command == "check":
         from vllm_gdn_hs.verify.check import run_check, run_spot_check
@@ -147,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def spot(paths: list[str]) -> int:
             try:
-                folder = reference_folder(ref, ids)
+                folder = model_info.reference_folder(ref, ids)
             except ValueError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2

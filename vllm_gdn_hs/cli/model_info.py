@@ -1,8 +1,5 @@
-"""What the plugin needs to know about a target model, read from its HF config.
-
-Multimodal checkpoints such as Qwen3.5/3.6 keep the language model's shape
-under ``text_config``; everything here reads through it.
-"""
+"""What the launcher needs to know about a target model, read from its HF config (through
+``text_config`` for multimodal checkpoints such as Qwen3.5/3.6)."""
 
 from __future__ import annotations
 
@@ -45,11 +42,8 @@ class ModelInfo:
     is_hybrid = property(lambda self: bool(self.linear_layers))  # linear attention (GDN/Mamba)
 
 
-# One probe of the hub, without retries: a machine without network says so at once.
-HUB_PROBE_TIMEOUT_S = 3.0
-# Supported models whose config.json the package carries (their language model's published
-# dimensions; the vision tower is cut to 2 blocks): `vllm-gdn-hs config MODEL DIR` writes one,
-# so that --dry-run and doctor work without network.
+HUB_PROBE_TIMEOUT_S = 3.0  # one probe, no retries: a machine without network says so at once
+# config.json files the package carries (vision tower cut to 2 blocks), for `vllm-gdn-hs config`.
 PACKAGED_CONFIGS = {"Qwen/Qwen3.6-27B": "qwen3.6-27b.json"}
 
 
@@ -91,8 +85,8 @@ def cached_model_folder(model: str) -> str | None:
 
 
 def _probe_hub(model: str) -> None:
-    """One request for the config's metadata, no retries (hub downloads retry for about 20 s):
-    a hub that cannot be reached or serve ``model`` raises ModelConfigError at once."""
+    """One request, no retries (downloads retry for 20 s): ModelConfigError at once unless the
+    hub serves ``model``."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 
     try:
@@ -161,8 +155,8 @@ def _load_config_dict(model: str) -> dict:
 
 
 def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
-    """The model's shape from its config.json, read as JSON: ``trust_remote_code`` is taken
-    for speculators' interface, and no model code runs either way."""
+    """The model's shape from its config.json, read as JSON (no model code runs, whatever
+    ``trust_remote_code``, taken for speculators' interface, says)."""
     cfg = _load_config_dict(model)
     text = cfg.get("text_config") or cfg
     try:
@@ -192,8 +186,7 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
 
 
 def layer_ids_arg(text: str) -> list[int]:
-    """An argparse ``type`` for layer ids separated by commas, spaces or both (with
-    ``nargs="+"``, then :func:`flat`): ``1,16,31``, ``1 16 31`` and ``1, 16, 31`` are the same."""
+    """An argparse ``type`` (``nargs="+"``, then :func:`flat`): ``1,16,31`` or ``1 16 31``."""
     import argparse
 
     try:
@@ -211,8 +204,8 @@ def flat(lists: list[list[int]] | None) -> list[int] | None:
 
 
 def reference_folder(model: str, layer_ids: list[int]) -> str:
-    """The folder of ``model`` (a folder, or a hub id in the local cache) for ``check
-    --reference``, once ``layer_ids`` fit it; ValueError naming the fix."""
+    """``model``'s folder (a hub id: in the local cache) for ``check --reference``, once
+    ``layer_ids`` fit it; ValueError naming the fix."""
     folder = model if os.path.isdir(model) else cached_model_folder(model)
     if not folder or not os.path.isfile(os.path.join(folder, "config.json")):
         raise ValueError(

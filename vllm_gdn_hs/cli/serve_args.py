@@ -52,9 +52,8 @@ def _bool_flag(args: list[str], name: str) -> bool | None:
 
 
 def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
-    """The vLLM arguments without ``--kv-transfer-config``, and that flag's settings: a JSON
-    object, or vLLM's dotted keys (``--kv-transfer-config.kv_connector_extra_config.x=1``),
-    merged in order."""
+    """The vLLM arguments without ``--kv-transfer-config``, and its settings (JSON objects and
+    vLLM's dotted keys, merged in order)."""
     rest: list[str] = []
     user: dict[str, Any] = {}
     args = iter(vllm_args)
@@ -142,10 +141,8 @@ def _has_flashinfer() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-# -- shutdown: time for the answered requests' files -----------------------------------------
-# vLLM's API server SIGKILLs its engine core processes soon after SIGTERM (0 s on 0.33.0 on
-# unless VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS is set, 5 s on 0.20.1). The plugin sets
-# shutdown_window() (patch/shutdown.py); the launcher's flags and environment say the same.
+# vLLM's API server SIGKILLs its engine cores soon after SIGTERM (0.33.0 on: at once) unless
+# told to wait: the launcher says shutdown_window() here too (patch/shutdown.py).
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
@@ -155,8 +152,7 @@ def drain_seconds(kv_transfer_config: dict) -> float:
 
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
-    """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (vLLM's wait for its processes after SIGTERM),
-    unless the user set it (then a warning if shorter than :func:`shutdown_window`)."""
+    """``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, unless set (then a warning if too short)."""
     window = shutdown_window(drain_s)
     environ = os.environ if environ is None else environ  # now, not at import
     if SHUTDOWN_ENV not in environ:
@@ -166,8 +162,8 @@ def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:
 
 
 def shutdown_args(vllm_args: list[str], drain_s: float) -> list[str]:
-    """``--shutdown-timeout`` where vLLM ignores ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` for its
-    engine core (0.20.1), unless the user passed it (then a warning if it is too short)."""
+    """``--shutdown-timeout`` where vLLM ignores the variable (0.20.1), unless passed (then a
+    warning if too short)."""
     window = shutdown_window(drain_s)
     user = _last_value(vllm_args, {"--shutdown-timeout"})
     if user is not None:

@@ -1,15 +1,6 @@
-"""``python -m vllm_gdn_hs.cli.train``: speculators' ``train``, with the ``mooncake-fp8`` backend.
-
-``mooncake-fp8`` objects hold fp8 rows, which hs-connectors' ``MooncakeTransfer`` returns as
-stored and speculators cannot train on: :class:`MooncakeFP8Transfer` dequantizes them as
-``FP8Transfer`` does. This module registers the backend (hs-connectors' registry has no entry
-point), then runs speculators' ``train`` with every argument unchanged::
-
-    python -m vllm_gdn_hs.cli.train --hidden-states-backend mooncake-fp8 \\
-        --mooncake-master H:50051 ...
-    torchrun --nproc-per-node 8 -m vllm_gdn_hs.cli.train ...   # as with -m speculators.train
-
-No vLLM needed: the trainer hosts import only torch, hs-connectors and speculators.
+"""``python -m vllm_gdn_hs.cli.train``: speculators' ``train`` (arguments unchanged, no vLLM
+needed) with the ``mooncake-fp8`` backend registered, whose fp8 objects
+:class:`MooncakeFP8Transfer` dequantizes as ``FP8Transfer`` does (docs/mooncake.md).
 """
 
 from __future__ import annotations
@@ -57,8 +48,7 @@ class MooncakeFP8Train(transfer.MooncakeBackend):
 
 
 def register() -> None:
-    """Add ``mooncake-fp8`` to hs-connectors' registry (once). speculators reads the registry's
-    options when ``speculators.train.config`` is first imported: call this before that."""
+    """Add ``mooncake-fp8`` to hs-connectors' registry (once), before speculators reads it."""
     if BACKEND not in transfer.HiddenStatesBackend.registry:
         transfer.HiddenStatesBackend.register(BACKEND)(MooncakeFP8Train)
 

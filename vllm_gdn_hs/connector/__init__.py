@@ -1,12 +1,8 @@
-"""HybridHiddenStatesConnector: hidden states streamed out of the GPU every step.
-
-vLLM's ``ExampleHiddenStatesConnector`` contract (request, file and ``kv_transfer_params``,
-the one speculators reads), but hidden states never live in the paged KV cache, and
-``SupportsHMA`` lets GDN hybrid models (Qwen3.5/3.6) run with the hybrid KV cache manager on.
-A thin facade, as vLLM's ``OffloadingConnector``: :mod:`.scheduler` decides where each
-request's hidden states go, :mod:`.worker` moves each step's rows from the GPU to the storage,
-:mod:`.metadata` is what the first tells the second each step, :mod:`.checks` the startup
-checks. The runner patches hand the rows over through :class:`vllm_gdn_hs.hook.TakesLayerRows`.
+"""HybridHiddenStatesConnector: vLLM's ``ExampleHiddenStatesConnector`` contract (the files
+and ``kv_transfer_params`` speculators reads), with hidden states streamed out of the GPU every
+step instead of kept in the KV cache, and ``SupportsHMA`` for GDN hybrid models. A thin facade:
+:mod:`.scheduler` and :mod:`.worker` do the work, told by the runner patches through
+:class:`vllm_gdn_hs.hook.TakesLayerRows`.
 """
 
 from __future__ import annotations
@@ -80,9 +76,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRow
 
     # -- worker side ------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        # The step's requests must reach the worker before the forward hands over its rows:
-        # vLLM binds the metadata before the forward, but from 0.29.0 may call start_load_kv
-        # only after it.
+        # Here, not in start_load_kv: from 0.29.0 vLLM may call that after the forward pass.
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, HybridHiddenStatesConnectorMetadata)
@@ -133,7 +127,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRow
     def wait_for_save(self) -> None: ...  # save_hidden_states returns at once
 
     def shutdown(self) -> None:
-        # From the worker's shutdown, in the engine core's teardown (after SIGINT/SIGTERM too).
         if self._worker is not None:
             self._worker.close()
             self._worker = None

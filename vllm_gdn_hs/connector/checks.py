@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def validate_vllm_config(
     vllm_config: VllmConfig, cfg: HiddenStatesConfig | None = None
 ) -> list[int]:
-    """The layer ids, once the checks pass; ``cfg``: the options if parsed (:func:`config_from`)."""
+    """The layer ids, once the checks pass; ``cfg``: the options, if parsed."""
     spec = vllm_config.speculative_config
     if spec is not None:
         raise ValueError(
@@ -63,8 +63,7 @@ def validate_vllm_config(
         validate_layer_ids(layer_ids, n)
     except ValueError as e:
         raise ValueError(f"{CONNECTOR_NAME}: layer ids: {e}") from None
-    # Before 0.33.0 only the V1 runner is patched (vLLM decides the runner in VllmConfig from
-    # 0.26.0, by the variable before); from 0.33.0 the patched V2 runner is the plugin's path.
+    # Before 0.33.0 only V1 is patched (vLLM picks the runner in VllmConfig from 0.26.0).
     v2 = getattr(vllm_config, "use_v2_model_runner", None)
     if v2 is None:
         v2 = getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)

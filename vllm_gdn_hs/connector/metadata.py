@@ -12,8 +12,7 @@ class NewRequest:
     req_id: str
     path: str
     num_prompt_tokens: int
-    # Rows to reserve: the prompt, plus the outputs with include_output_tokens (the host
-    # buffer is reserved, not touched, so an unused reservation costs no memory).
+    # Rows to reserve (untouched pages: unused ones cost no memory), outputs included.
     num_rows: int = 0
 
 

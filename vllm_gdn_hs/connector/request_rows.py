@@ -7,15 +7,13 @@ import torch
 
 from vllm_gdn_hs.connector.metadata import NewRequest
 
-# Runs of up to SHORT_RUN rows (decode) are filed in batches of 32 to 63 rows per request
-# (staggered: requests decoding in lockstep do not all file in one step); longer runs at once.
+# Runs of up to SHORT_RUN rows (decode) are filed 32 to 63 at a time (staggered by request).
 SHORT_RUN, PENDING_ROWS = 4, 32
 
 
 class RequestRows:
-    """Host rows of one request by token position. Decode's per-row work stays out of Python
-    (the drain shares the GIL with the engine): a step's short runs are one numpy gather, and
-    each request files its (block, row) references a few dozen at a time, stacking views."""
+    """Host rows of one request by token position. Decode's rows are (block, row) references,
+    stacked a few dozen at a time: per-row work stays out of Python (the GIL is shared)."""
 
     def __init__(
         self,

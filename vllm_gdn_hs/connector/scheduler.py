@@ -1,13 +1,11 @@
 """The connector's scheduler side: where each request's hidden states go, and when it ended.
-
-Request ids and ``kv_transfer_params`` come from the network: they are checked before anything
-is opened. A request refused here is served as usual, its response's ``kv_transfer_params``
-carrying ``hidden_states_error`` (the reason). Nothing here raises into vLLM's ``schedule()``.
+``kv_transfer_params`` come from the network: a request they fail is served as usual, with
+``hidden_states_error`` (the reason) in its response; nothing raises into ``schedule()``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.v1.request import Request, RequestStatus
 
@@ -26,9 +24,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# What an aborted request's response says; the shutdown patch (patch/shutdown.py) names the
-# shutdown's own reasons.
 ABORTED = "the request was aborted before it finished (client gone, or the server stopping)"
+
+
+class Placed(NamedTuple):
+    """Where a request's hidden states go, decided at its first KV cache allocation."""
+
+    path: str  # the storage's place for it
+    rows: int  # rows to reserve: prompt, and outputs if included, at most max_model_len
+    include_output_tokens: bool
 
 
 class HybridHiddenStatesConnectorScheduler:
@@ -42,13 +46,11 @@ class HybridHiddenStatesConnectorScheduler:
     ):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        # request id -> (place, rows to reserve, include_output_tokens)
-        self._paths: dict[str, tuple[str, int, bool]] = {}
+        self._placed: dict[str, Placed] = {}  # request id -> where its hidden states go
         self._refused: dict[str, str] = {}  # request id -> why it gets no hidden states
         self._finished: list[FinishedRequest] = []
         self.abort_reason = ABORTED
-        # request id -> its response's kv_transfer_params, for vLLM's abort output (which
-        # carries none of its own); kept until the next step
+        # request id -> the params of vLLM's abort output (none of its own), until the next step
         self.aborted: dict[str, dict[str, Any]] = {}
         self.storage = storage_for(cfg)
         self.storage.open_scheduler_side(RowShape(layer_ids, hidden, dtype))
@@ -77,7 +79,7 @@ class HybridHiddenStatesConnectorScheduler:
 
     def on_allocated(self, request: Request) -> None:
         """A request got KV cache blocks (first allocation: its file is decided)."""
-        if request.request_id in self._paths or request.request_id in self._refused:
+        if request.request_id in self._placed or request.request_id in self._refused:
             return  # not its first allocation
         try:
             params = request_params(request.kv_transfer_params)
@@ -87,7 +89,7 @@ class HybridHiddenStatesConnectorScheduler:
             return
         outputs = request.max_tokens if params.include_output_tokens else 0
         rows = min(request.num_prompt_tokens + outputs, self.max_model_len)
-        self._paths[request.request_id] = (path, rows, params.include_output_tokens)
+        self._placed[request.request_id] = Placed(path, rows, params.include_output_tokens)
 
     def _refuse(self, req_id: str, why: str) -> None:
         self._refused[req_id] = why
@@ -98,29 +100,29 @@ class HybridHiddenStatesConnectorScheduler:
         self._finished = []
         self.aborted.clear()  # vLLM sends abort outputs right after finish_requests
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._paths:
-                path, rows, _ = self._paths[new.req_id]
+            if (placed := self._placed.get(new.req_id)) is not None:
                 prompt = len(new.prompt_token_ids or ())
-                meta.new_requests.append(NewRequest(new.req_id, path, prompt, rows))
+                meta.new_requests.append(NewRequest(new.req_id, placed.path, prompt, placed.rows))
         return meta
 
     def on_finished(self, request: Request) -> dict[str, Any] | None:
         """The response's ``kv_transfer_params``; the worker is told next step."""
         req_id = request.request_id
-        path, _, include_output_tokens = self._paths.pop(req_id, (None, 0, False))
+        placed = self._placed.pop(req_id, None)
         why = self._refused.pop(req_id, None)
         if request.status == RequestStatus.FINISHED_ABORTED:  # never a bare answer
-            if path is not None:
+            if placed is not None:
                 self._finished.append(FinishedRequest(req_id, None))
             why = why or f"no hidden states: {self.abort_reason}"
             self.aborted[req_id] = {"hidden_states_error": why}
             return self.aborted[req_id]
         if why is not None:
             return {"hidden_states_error": why}
-        if path is None:
+        if placed is None:
             return None
         # With the outputs, all but the last token: it was never run.
-        ran = request.all_token_ids[:-1] if include_output_tokens else request.prompt_token_ids
+        outputs = placed.include_output_tokens
+        ran = request.all_token_ids[:-1] if outputs else request.prompt_token_ids
         token_ids = list(ran or ())
         self._finished.append(FinishedRequest(req_id, token_ids))
-        return self.storage.response(path, len(token_ids), include_output_tokens)
+        return self.storage.response(placed.path, len(token_ids), outputs)

@@ -1,11 +1,6 @@
-"""Device-to-host staging: a ring of pinned host rows, one slot per step, filled on a side stream.
-
-The GPU work (norms, fp8 quantization) runs on the compute stream in chunks of ``CHUNK_TOKENS``
-(:func:`rows_and_norms`), so its temporaries are small and inside the memory vLLM profiled; the
-side stream only copies (:func:`_side_copy`). A slot is free again once the drain thread has
-filed its rows. A step that runs eager takes its slot before its forward pass, each layer's rows
-leaving for their column as the model makes them (:class:`~vllm_gdn_hs.patch.extraction.LayerSink`):
-one strided DMA per layer (``cudaMemcpy2DAsync``), so the drain reads every slot token-major.
+"""Device-to-host staging: a ring of pinned host rows, one slot per step, filled on a side
+stream that only copies; the GPU work (norms, fp8) runs on the compute stream in small chunks
+(:func:`rows_and_norms`). A slot filled a layer at a time takes one strided DMA per layer.
 """
 
 from __future__ import annotations
@@ -60,21 +55,18 @@ class HostSlot:
         self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
-        """Start copying one layer's rows [tokens, H] into their column of the slot (the caller
-        may drop them at once: see :func:`_side_copy`)."""
+        """Start copying a layer's rows [tokens, H] into their column (the caller may drop them)."""
         _side_copy(self.ring.stream, [(self.hidden_states[:, column], rows)])
 
     def finish(self, norms: torch.Tensor, positions: torch.Tensor) -> None:
-        """The norms and positions of a slot filled a layer at a time, after its layers, on the
-        same side stream; ``copied`` then marks all of the slot's copies done."""
+        """After its layers: the norms and positions; ``copied`` then marks all copies done."""
         pairs = [(self.norms, norms), (self.positions, positions)]
         _side_copy(self.ring.stream, pairs, self.copied)
 
 
 def _side_copy(stream, pairs, done=None, keep=()) -> None:
-    """Copy each (host, GPU) pair on the side ``stream`` after the compute stream's work (which
-    does not wait); ``record_stream`` keeps the sources and ``keep`` alive, ``done`` marks the
-    end. On CPU, plain copies."""
+    """Copy each (host, GPU) pair on the side ``stream`` after the compute stream's work, the
+    sources and ``keep`` kept alive; ``done`` marks the end. On CPU, plain copies."""
     if stream is None or not pairs[0][1].is_cuda:
         for dst, src in pairs:
             dst.copy_(src)
@@ -94,9 +86,8 @@ def _side_copy(stream, pairs, done=None, keep=()) -> None:
 
 
 def _copy_rows_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-    """One DMA of contiguous GPU rows [T, H] into pinned host rows [T, H] a row stride apart
-    (a layer's column of a slot). torch would stage such a copy through pageable memory and
-    wait for it."""
+    """One DMA of GPU rows [T, H] into a slot's column (torch would stage it through pageable
+    memory and wait)."""
     from cuda.bindings import runtime
 
     assert dst.dim() == 2 and dst.stride(1) == 1 and dst.shape == src.shape, (dst, src)
@@ -116,8 +107,7 @@ def _copy_rows_2d(dst: torch.Tensor, src: torch.Tensor, stream) -> None:
 
 
 def strided_copy_works(device: torch.device) -> bool:
-    """Whether :func:`_copy_rows_2d` puts rows where they belong on ``device`` (checked once,
-    at startup, on a few rows: a step's layer copies must never fail in the forward pass)."""
+    """Whether :func:`_copy_rows_2d` works on ``device``: checked at startup, on a few rows."""
     try:
         host = torch.zeros((3, 2, 4), dtype=torch.bfloat16, pin_memory=True)
         rows = torch.arange(12, dtype=torch.bfloat16, device=device).view(3, 4)
@@ -132,8 +122,7 @@ def strided_copy_works(device: torch.device) -> bool:
 
 class HostRing:
     """Pinned host rows for ``num_slots`` of the largest steps, handed out in order, each step
-    taking only its rows (small steps go on while the drain files a large one). With ``fp8``:
-    the quantized rows (half the size), each row's scale a column after its layer norms."""
+    taking only its rows; with ``fp8``, quantized rows and each row's scale after its norms."""
 
     def __init__(self, num_slots, max_tokens, num_layers, hidden, dtype, device, fp8=False):
         cuda = device.type == "cuda"

@@ -1,6 +1,5 @@
-"""The writer's figures: :class:`WriterStats` feeds the progress and shutdown lines (whose
-wording ``benchmarks/logparse.py`` parses), the benchmarks, vLLM's ``KV Transfer metrics`` log
-line (:class:`HiddenStatesKVConnectorStats`) and ``/metrics`` (:class:`HiddenStatesPromMetrics`).
+"""The writer's figures (:class:`WriterStats`) for the progress and shutdown lines, vLLM's
+``KV Transfer metrics`` line (:class:`HiddenStatesKVConnectorStats`) and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -12,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+
+from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -74,8 +77,8 @@ class WriterStats:
 
 
 class StatsBook:
-    """One :class:`WriterStats` for the engine, drain and write threads, behind one lock;
-    :meth:`interval` gives the change since its last call (vLLM's per-interval reports)."""
+    """One :class:`WriterStats` for every thread, behind one lock; :meth:`interval` gives the
+    change since its last call."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -92,8 +95,7 @@ class StatsBook:
             return dataclasses.replace(self._stats)
 
     def interval(self, gauges: Mapping[str, float] | None = None) -> dict[str, float]:
-        """The counters' change since the last call, and each of ``gauges`` (name -> value
-        now) whose value changed since; empty if nothing changed."""
+        """The counters' change since the last call, and the ``gauges`` that changed."""
         gauges = gauges or {}
         with self.lock:
             now = self._stats.counters()
@@ -103,10 +105,15 @@ class StatsBook:
         return delta
 
 
+def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
+    """One request got no hidden states: logged once with its id, and counted."""
+    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+    book.add(**{counter: 1})
+
+
 @dataclass
 class HiddenStatesKVConnectorStats(metrics.KVConnectorStats):
-    """The writer's figures over one interval (``data``: a counter's change, a gauge's new
-    value): aggregated, counters are summed and a gauge keeps its newest value."""
+    """The figures of one interval (a counter's change, a gauge's new value)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -117,8 +124,7 @@ class HiddenStatesKVConnectorStats(metrics.KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The log line's counters, not the gauges: vLLM's logging of several engines sums them
-        into one, where one engine's value would read as the total (Prometheus has them)."""
+        """The log line's counters, not the gauges (vLLM sums several engines' into one)."""
         return {
             k: round(v, 3) if isinstance(v, float) else v
             for k, v in sorted(self.data.items())
@@ -129,9 +135,7 @@ class HiddenStatesKVConnectorStats(metrics.KVConnectorStats):
         return not any(v or k in WriterStats.GAUGES for k, v in self.data.items())
 
 
-# WriterStats field -> its series vllm:hidden_states_<name> on /metrics, and its help text. Not
-# exported: unfinished and lost_at_shutdown (they change after the last scrape, as the server
-# stops: the shutdown log line has them).
+# WriterStats field -> its series vllm:hidden_states_<name> and help; not the shutdown figures.
 PROM_SERIES = {
     "files": ("saved_total", "Requests whose hidden states were saved whole."),
     "bytes": ("saved_bytes_total", "Bytes of hidden states saved."),
@@ -155,8 +159,7 @@ PROM_SERIES = {
 
 
 class HiddenStatesPromMetrics(metrics.KVConnectorPromMetrics):
-    """The writer's figures on ``/metrics``, one child per engine (vLLM's labels: model name,
-    engine index), observed with each interval's :class:`HiddenStatesKVConnectorStats` data."""
+    """The writer's figures on ``/metrics``, one child per engine (vLLM's labels)."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,7 +1,6 @@
-"""The connector's worker side (tensor-parallel rank 0): each step's rows go into a pinned host
-slot (:mod:`.staging`), the drain thread files them by request (:mod:`.drain`) and hands each
-finished request to the writer (:mod:`.writer`). A failure costs only that request its hidden
-states (logged with its id, counted). :meth:`close` drains within ``shutdown_drain_s``.
+"""The connector's worker side (tensor-parallel rank 0): each step's rows into a pinned host
+slot (:mod:`.staging`), filed by request (:mod:`.drain`), written when finished (:mod:`.writer`).
+A failure costs only that request its hidden states (logged with its id, counted).
 """
 
 from __future__ import annotations
@@ -41,14 +40,15 @@ class HybridHiddenStatesConnectorWorker:
         )
         self.cfg = cfg
         self.book = StatsBook()
-        # Slow-storage warnings come once per writer, whatever their figures (vLLM's
-        # warning_once keys on the arguments: a new figure would log again, at every step);
-        # the totals are in the progress and shutdown lines.
+        # Slow-storage warnings once per writer (vLLM's warning_once keys on the figures too).
         self.warned: set[str] = set()
         self.storage = storage_for(cfg)
         self.storage.open_worker_side()
         self.writer = Writer(cfg, self.storage, self.book, num_layers, self._warn_once)
-        self.drain = Drain(self.writer, hidden, self.ring.hidden_states.dtype)
+        stored = self.ring.hidden_states.dtype  # fp8: float8_e4m3fn
+        self.drain = Drain(
+            self.writer, self.storage, self.book, num_layers, hidden, stored, cfg.fp8
+        )
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
@@ -94,8 +94,6 @@ class HybridHiddenStatesConnectorWorker:
 
     def _queue(self, slot, req_ids, query_start_loc_cpu, waited, t0, taking=0.0) -> None:
         if waited > 0.5:
-            # Which side is behind: with files being written, the storage; with none, the
-            # drain thread filing rows (on the GPU: fresh request buffers during prefill).
             self._warn_once(
                 "host_buffers",
                 "%s: the engine waited %.1f s for host buffers, with %d files being written "
@@ -123,8 +121,7 @@ class HybridHiddenStatesConnectorWorker:
         return self.book.interval(self.gauges())
 
     def log_progress(self, every: float = 30.0) -> None:
-        """The progress line, at most every ``every`` s (after each step, so a long decode
-        phase that finishes no file is not silent)."""
+        """The progress line, at most every ``every`` s (after steps: a long decode speaks too)."""
         with self.log_lock:
             now, (then, files, size) = time.monotonic(), self.logged
             if now - then < every:

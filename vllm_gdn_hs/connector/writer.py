@@ -1,9 +1,7 @@
-"""The write pool: ``write_workers`` threads check each finished request's rows (a
-:class:`WriteJob` from the drain thread) and store them.
-
-The rows waiting are bounded by ``write_backlog_gb``: past it :meth:`Writer.submit` waits, and
-the engine slows to the speed of the writes instead of the host running out of memory. The
-threads are not daemons: if the process exits without ``close()``, they finish the queue.
+"""The write pool: ``write_workers`` threads (not daemons: they finish the queue) check each
+finished request's rows and store them. Past ``write_backlog_gb`` of rows waiting,
+:meth:`Writer.submit` waits: the engine slows to the writes' speed instead of running out of
+host memory.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import torch
 
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
-from vllm_gdn_hs.connector.stats import StatsBook
+from vllm_gdn_hs.connector.stats import StatsBook, failed
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import check_norms
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
@@ -188,9 +186,3 @@ class Writer:
     def _lost(self, job: WriteJob, why: str, counter: str = "lost_at_shutdown") -> None:
         self.storage.abandon(job.stored, why)
         failed(self.book, job.stored.req_id, why, counter)
-
-
-def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
-    """One request got no hidden states: logged once with its id, and counted."""
-    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
-    book.add(**{counter: 1})

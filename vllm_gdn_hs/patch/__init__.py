@@ -1,9 +1,6 @@
-"""Runtime patches for the installed vLLM, chosen in this one place.
-
-One module per patched vLLM module (``patch_<vllm module>.py``). Each says in
-its docstring why it exists, how it works and when it can be removed; each
-has its twin as a source patch in ``patches/<vllm version>/``.
-"""
+"""Runtime patches for the installed vLLM, chosen in this one place: one ``patch_<vllm
+module>.py`` per patched module, each with its Why/How/Remove-when and its twin source patch in
+``patches/<vllm version>/``."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ from dataclasses import dataclass
 from vllm_gdn_hs import version
 from vllm_gdn_hs.names import init_logger
 
-# The patch modules, in the order they apply (releases differ only in feature probes inside
-# them), plus one patch per runner that carries extraction on the release (version.py).
+# In the order they apply, then the patch of each runner that carries extraction (version.py).
 PATCHES: tuple[str, ...] = (
     "patch_config_vllm",
     "patch_config_kv_transfer",
@@ -27,8 +23,7 @@ MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 
 
 def patches_for(vllm: str | None = None) -> tuple[str, ...]:
-    """The patches a vLLM release needs: none for a release the plugin does not support, the
-    newest release's for an untested newer one."""
+    """The patches a vLLM release needs (an untested newer one: the newest release's)."""
     vllm = version.release(vllm)
     if version.is_untested(vllm):
         vllm = version.RELEASES[-1]
@@ -61,9 +56,8 @@ class Patch:
 
 
 def require(what, *names: str) -> None:
-    """AttributeError naming the first of ``names`` that ``what`` (a function, a dataclass, a
-    class) lacks. A patch calls it at import for what it reads of vLLM besides the methods it
-    wraps: a vLLM that renamed one is refused at startup, not at a step."""
+    """AttributeError naming the first of ``names`` that ``what`` (a function's parameters, a
+    dataclass's fields, a class) lacks: what a patch reads of vLLM, checked at its import."""
     if inspect.isfunction(what):
         have = set(inspect.signature(what).parameters)
     elif dataclasses.is_dataclass(what):
@@ -78,8 +72,8 @@ _applied: list[str] = []
 
 
 def runtime_patches() -> dict[str, Patch]:
-    """The installed vLLM's patches by module name, imported, not yet applied: on an untested
-    vLLM, UnsupportedVllmError names what is gone before any patch is applied."""
+    """The installed vLLM's patches by module name, imported, not applied (an untested vLLM:
+    UnsupportedVllmError names what is gone)."""
     return {name: _module(name).PATCH for name in patches_for()}
 
 

@@ -1,30 +1,27 @@
 """What both runner patches do: set extraction up, and hand a step's rows to the connector.
+Runner-neutral (it imports no runner); ``self`` is the runner in every function.
 
-Runner-neutral (it imports no runner), so that both runner patches import it on every release where
-their runner exists. ``self`` is the runner in every function.
-
-The layer sink (:class:`LayerSink`, Model Runner V2, ``layer_by_layer``, on by default): a model
-that collects its aux states in vLLM's ``EagleModelMixin._maybe_add_hidden_state`` keeps each one
-alive until the forward pass ends, so at the last layers' activation peak five of six [tokens,
-hidden] copies are alive (0.78 GiB at 16,384 tokens and 27B shape, kept free by vLLM's sizing,
-and 1.75 times that out of the KV cache with its margin). In a step that runs eager the sink
-takes each one as the model makes it: its rows start for their column of a pinned host slot on
-the staging ring's side stream (after the compute stream made them, so the forward pass does not
-wait for the copy) and the model keeps an empty placeholder, so the copy is freed as soon as it
-is copied. Measured (docs/memory.md): ours' warm-up peak is plain vLLM's. CUDA-graph steps (at
-most the largest capture size) keep the stacked hand-over: a graph would bake one host address
-into every replay.
+The layer sink (:class:`LayerSink`, ``layer_by_layer``): in a step that runs eager, each aux
+state leaves for its column of a pinned host slot as the model makes it, and the model keeps an
+empty placeholder, so the aux states are never all alive at the activation peak (docs/memory.md).
+CUDA-graph steps keep the stacked hand-over: a graph would bake one host address into a replay.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 
 from vllm_gdn_hs.config import config_from, configured_layer_ids, is_ours
-from vllm_gdn_hs.hook import TakesLayerRows, hidden_states_connector, hidden_states_connector_class
+from vllm_gdn_hs.hook import (
+    TakesHiddenStates,
+    TakesLayerRows,
+    hidden_states_connector,
+    hidden_states_connector_class,
+)
 from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
@@ -44,80 +41,97 @@ def layer_order(layer_ids) -> list[int]:
     return [ascending.index(i) for i in layer_ids]
 
 
+RUNNER_ATTR = "_vllm_gdn_hs"  # the one attribute the patches set on vLLM's runner
+
+
+@dataclass
+class Extraction:
+    """What the runner patches keep on vLLM's runner, under ``RUNNER_ATTR``."""
+
+    layer_ids: list[int]
+    order: list[int]  # layer_order(layer_ids)
+    connector_class: type[TakesHiddenStates]  # checked at startup
+    sink: LayerSink | None = None  # install_sink's, Model Runner V2 only
+    connector: TakesHiddenStates | None = None  # the first step's (made after profiling)
+
+
+def extraction(runner) -> Extraction | None:
+    """The runner's extraction, or None where the connector does not extract (another
+    connector, none, or a runner made without :func:`set_up_extraction`)."""
+    return getattr(runner, RUNNER_ATTR, None)
+
+
 def set_up_extraction(self, vllm_config) -> None:
     """After a runner's own ``__init__``: aux hidden states on, where the connector extracts."""
     ids = extraction_layer_ids(vllm_config)
-    self.hidden_states_layer_ids = ids
+    ours = None
     if ids:
         # At startup, not at the first step: the configured connector must take the rows.
-        self.hidden_states_connector_class = hidden_states_connector_class(vllm_config)
+        ours = Extraction(ids, layer_order(ids), hidden_states_connector_class(vllm_config))
         self.use_aux_hidden_state_outputs = True
-        self.hidden_states_order = layer_order(ids)
+    setattr(self, RUNNER_ATTR, ours)
 
 
 def profile_step(self) -> None:
-    """Allocate what the stacked hand-over of the largest step allocates, inside ``profile_run``
-    (its dummy forward drops the aux states at once). With the layer sink that is the largest
-    step a CUDA graph runs; larger ones go through the sink."""
+    """Inside ``profile_run``: allocate what the stacked hand-over of the largest step allocates
+    (with the layer sink, the largest step a CUDA graph runs)."""
+    ours = cast(Extraction, extraction(self))
     num_tokens = self.max_num_tokens
-    if getattr(self, "hidden_states_sink", None) is not None:
+    if ours.sink is not None:
         num_tokens = min(num_tokens, largest_graph_step(self))
     if num_tokens == 0:
         return
     shape = (num_tokens, self.model_config.get_hidden_size())
     outputs = [  # the model's output and aux states, alive during the hand-over
         torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-        for _ in range(len(self.hidden_states_layer_ids) + 1)
+        for _ in range(len(ours.layer_ids) + 1)
     ]
     rows = torch.stack(outputs[1:], dim=1)
     positions = torch.empty(shape[0], dtype=torch.int64, device=self.device)
-    connector_class = getattr(self, "hidden_states_connector_class", None)
-    if connector_class is None:  # a runner made without set_up_extraction
-        connector_class = hidden_states_connector_class(self.vllm_config)
-    connector_class.profile_save_hidden_states(self.vllm_config, rows)
+    ours.connector_class.profile_save_hidden_states(self.vllm_config, rows)
     del outputs, rows, positions
 
 
 def graph_aux_buffers(self) -> list[torch.Tensor]:
-    """The CUDA-graph manager's persistent aux output buffers, one [rows, hidden] view per layer
-    id, rows the largest capture size, all in one tensor made right after the allocator's cache
-    is emptied: a segment of their own, returned with them, not a block pinning a larger one."""
+    """The CUDA-graph manager's aux output buffers, one [largest capture, hidden] view per layer
+    id, all of one tensor made after the cache is emptied: a segment of their own."""
     cc = self.vllm_config.compilation_config
     rows = max([cc.max_cudagraph_capture_size or 0, *(cc.cudagraph_capture_sizes or [])])
     torch.cuda.empty_cache()
-    shape = (len(set(self.hidden_states_layer_ids)), rows, self.model_config.get_hidden_size())
+    ids = cast(Extraction, extraction(self)).layer_ids
+    shape = (len(set(ids)), rows, self.model_config.get_hidden_size())
     return list(torch.empty(shape, dtype=self.model_config.dtype, device=self.device).unbind(0))
 
 
-def _connector(self):
+def _connector(ours: Extraction) -> TakesHiddenStates:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    if getattr(self, "hidden_states_connector", None) is None:  # made after profiling
-        self.hidden_states_connector = hidden_states_connector(get_kv_transfer_group())
-    return self.hidden_states_connector
+    if ours.connector is None:  # made after profiling
+        ours.connector = hidden_states_connector(get_kv_transfer_group())
+    return ours.connector
 
 
 def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) -> None:
-    """Stack the scheduled tokens' aux states, layers in the configured order, into a fresh
-    tensor and give it, with a copy of their positions, to the connector."""
+    """Give the connector the scheduled tokens' rows (configured layer order) and positions."""
     num_tokens = int(query_start_loc_cpu[-1])
     if num_tokens == 0:
         return
-    connector = _connector(self)
+    ours = cast(Extraction, extraction(self))
+    connector = _connector(ours)
     if not connector.wants_hidden_states():
         return  # a tensor-parallel rank that does not write: nothing to stack or copy
-    sink = getattr(self, "hidden_states_sink", None)
+    sink = ours.sink
     if sink is not None and sink.slot is not None:  # the rows left during the forward pass
         slot, norms = sink.slot, sink.norms
         sink.slot = sink.norms = None
-        if sink.taken != len(self.hidden_states_order):
+        if sink.taken != len(ours.order):
             raise RuntimeError(f"the model made {sink.taken} aux states in an eager step")
         cast(TakesLayerRows, connector).save_taken_rows(
             slot, req_ids, query_start_loc_cpu, norms, positions[:num_tokens].clone()
         )
         return
     # Fresh tensors: CUDA-graph outputs and the runner's positions are rewritten next step.
-    rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in self.hidden_states_order], dim=1)
+    rows = torch.stack([aux_hidden_states[i][:num_tokens] for i in ours.order], dim=1)
     connector.save_hidden_states(
         hidden_states=rows,
         req_ids=req_ids,
@@ -127,12 +141,9 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
 
 
 class LayerSink:
-    """Takes each aux state from the model as it is made (see the module docstring). Open
-    only around the forward pass of a step that runs eager: with a slot (a writing rank's
-    step) each layer's scheduled rows start for their column of that pinned host slot and
-    their norms are taken; without one (dummy runs, vLLM's warm-up with the connector off, a
-    rank that does not write) they are dropped, so that vLLM's sizing steps see the memory real
-    steps use."""
+    """Takes each aux state from the model as it is made, while open (an eager step's forward
+    pass): with a slot, its rows go to their column and their norms are taken; without one
+    (dummy runs, warm-up, a rank that does not write) they are dropped, as real steps drop them."""
 
     def __init__(self, order: list[int], hidden: int, dtype, device):
         self.column = {k: j for j, k in enumerate(order)}  # ascending aux index -> file column
@@ -165,10 +176,8 @@ class LayerSink:
 
 
 def compiled_forward(self) -> bool:
-    """Whether vLLM runs the model's forward through torch.compile: its compiled submodules
-    (vLLM 0.34.0: Qwen3-Next, Nemotron-H; Qwen3.5 runs breakable CUDA graphs, uncompiled), or
-    the whole model under ``STOCK_TORCH_COMPILE``. Dynamo would trace the wrapper, whose copies
-    cannot run inside a compiled graph: such a model's eager steps stack their rows."""
+    """Whether vLLM runs the forward through torch.compile (compiled submodules, as Qwen3-Next's
+    and Nemotron-H's on 0.34.0, or ``STOCK_TORCH_COMPILE``): dynamo would trace the sink."""
     from vllm.config import CompilationMode
 
     if self.vllm_config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE:
@@ -181,15 +190,14 @@ def compiled_forward(self) -> bool:
 
 
 def install_sink(self) -> None:
-    """After ``load_model`` (Model Runner V2): wrap the model's ``_maybe_add_hidden_state`` so
-    that an open :class:`LayerSink` takes each aux state. Not installed (every step stacked)
-    without ``EagleModelMixin`` or a model using it, for a model vLLM compiles
-    (:func:`compiled_forward`), with sequence parallelism (the model concatenates the aux states
-    after the last layer), fp8 (a row's scale spans all layers), a connector that cannot take a
-    slot, a strided copy that fails its check, or ``layer_by_layer`` off."""
+    """After ``load_model`` (Model Runner V2): wrap ``_maybe_add_hidden_state`` so that an open
+    :class:`LayerSink` takes each aux state. Not installed (every step stacked) without
+    ``EagleModelMixin``, for a compiled model, with sequence parallelism, fp8 (a row's scale
+    spans its layers), a connector without slots, a failing strided copy, or the option off."""
     from vllm_gdn_hs.connector.staging import strided_copy_works  # the connector: lazily
 
-    self.hidden_states_sink = None
+    ours = cast(Extraction, extraction(self))
+    ours.sink = None
     try:
         from vllm.model_executor.models.interfaces import EagleModelMixin
     except ImportError:
@@ -198,11 +206,10 @@ def install_sink(self) -> None:
     holder = next((m for m in modules if isinstance(m, EagleModelMixin)), None)
     if holder is None or compiled_forward(self):
         return
-    connector_class = getattr(self, "hidden_states_connector_class", None)
     cfg = config_from(self.vllm_config)
     if (
         getattr(holder, "use_sequence_parallel", False)
-        or not (isinstance(connector_class, type) and issubclass(connector_class, TakesLayerRows))
+        or not issubclass(ours.connector_class, TakesLayerRows)
         or not cfg.layer_by_layer
         or cfg.fp8
     ):
@@ -215,8 +222,8 @@ def install_sink(self) -> None:
             CONNECTOR_NAME,
         )
         return
-    sink = self.hidden_states_sink = LayerSink(
-        self.hidden_states_order,
+    sink = ours.sink = LayerSink(
+        ours.order,
         self.model_config.get_hidden_size(),
         self.model_config.dtype,
         self.device,
@@ -253,15 +260,16 @@ def largest_graph_step(self) -> int:
 def sink_open(self, num_tokens: int, dummy_run: bool):
     """Around one ``execute_model`` of ``num_tokens`` scheduled tokens: the sink open when the
     step runs eager, with a host slot when this rank writes the step's rows."""
-    sink = getattr(self, "hidden_states_sink", None)
-    if sink is None or num_tokens <= largest_graph_step(self):
+    ours = extraction(self)
+    if ours is None or ours.sink is None or num_tokens <= largest_graph_step(self):
         yield
         return
+    sink = ours.sink
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     slot = None
     if not dummy_run and has_kv_transfer_group():  # off in vLLM's warm-up and dummy runs
-        slot = cast(TakesLayerRows, _connector(self)).take_rows(num_tokens)
+        slot = cast(TakesLayerRows, _connector(ours)).take_rows(num_tokens)
     sink.start(num_tokens, slot)
     try:
         yield

@@ -29,7 +29,7 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch
-from vllm_gdn_hs.patch.extraction import hand_over, profile_step, set_up_extraction
+from vllm_gdn_hs.patch.extraction import extraction, hand_over, profile_step, set_up_extraction
 
 _orig_init = GPUModelRunner.__init__
 _orig_aux_layers = GPUModelRunner._get_eagle3_aux_layers_from_config
@@ -47,19 +47,20 @@ def __init__(self, vllm_config, device) -> None:
 
 def profile_run(self, *args, **kwargs) -> None:
     _orig_profile_run(self, *args, **kwargs)
-    if getattr(self, "hidden_states_layer_ids", None):
+    if extraction(self) is not None:
         profile_step(self)
 
 
 def _get_eagle3_aux_layers_from_config(self):
-    if getattr(self, "hidden_states_layer_ids", None):
-        return tuple(self.hidden_states_layer_ids)
+    ours = extraction(self)
+    if ours is not None:
+        return tuple(ours.layer_ids)
     return _orig_aux_layers(self)
 
 
 def _model_forward(self, *args, **kwargs):
     output = _orig_model_forward(self, *args, **kwargs)
-    if getattr(self, "hidden_states_layer_ids", None):
+    if extraction(self) is not None:
         positions = _MODEL_FORWARD_ARGS.bind(self, *args, **kwargs).arguments["positions"]
         save_step(self, output[1], positions)
     return output
@@ -78,7 +79,7 @@ def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tens
 
 
 def _determine_batch_execution_and_padding(self, *args, **kwargs):
-    if getattr(self, "hidden_states_layer_ids", None):
+    if extraction(self) is not None:
         call = _BATCH_EXECUTION_ARGS.bind(self, *args, **kwargs).arguments
         # Dummy runs (profiling, CUDA graph capture) say force_uniform_decode themselves.
         if "force_uniform_decode" not in call and starts_a_prompt_in_one_token_steps(

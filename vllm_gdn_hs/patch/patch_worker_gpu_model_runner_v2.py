@@ -39,6 +39,7 @@ from vllm.v1.worker.gpu.model_runner import ExecuteModelState, GPUModelRunner
 from vllm_gdn_hs.config import config_from
 from vllm_gdn_hs.patch import Patch, require
 from vllm_gdn_hs.patch.extraction import (
+    extraction,
     graph_aux_buffers,
     hand_over,
     install_sink,
@@ -64,7 +65,8 @@ def __init__(self, vllm_config, device) -> None:
 
 
 def load_model(self, *args, **kwargs) -> None:
-    if not getattr(self, "hidden_states_layer_ids", None):
+    ours = extraction(self)
+    if ours is None:
         return _orig_load_model(self, *args, **kwargs)
     self.use_aux_hidden_state_outputs = False  # vLLM's reads it as "a drafter's aux layers"
     try:
@@ -76,20 +78,20 @@ def load_model(self, *args, **kwargs) -> None:
             f"{type(self.model).__name__} cannot return aux hidden states (it does not "
             "implement vLLM's SupportsEagle3), so its hidden states cannot be extracted"
         )
-    self.model.set_aux_hidden_state_layers(tuple(self.hidden_states_layer_ids))
+    self.model.set_aux_hidden_state_layers(tuple(ours.layer_ids))
     install_sink(self)
 
 
 def profile_run(self, *args, **kwargs) -> None:
     _orig_profile_run(self, *args, **kwargs)
-    if getattr(self, "hidden_states_layer_ids", None):
+    if extraction(self) is not None:
         profile_step(self)
 
 
 def capture_model(self, *args, **kwargs):
     manager = getattr(self, "cudagraph_manager", None)
     if (
-        getattr(self, "hidden_states_layer_ids", None)
+        extraction(self) is not None
         and manager is not None
         and not getattr(manager, "aux_hidden_states", True)  # vLLM fills it at first capture
         and config_from(self.vllm_config).graph_aux_buffers
@@ -105,7 +107,7 @@ def execute_model(self, scheduler_output, *args, **kwargs):
     with sink_open(self, scheduler_output.total_num_scheduled_tokens, dummy_run):
         output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
     if (
-        getattr(self, "hidden_states_layer_ids", None)
+        extraction(self) is not None
         and output is None  # a forward pass ran; its state waits for sample_tokens
         and scheduler_output.total_num_scheduled_tokens > 0
         and has_kv_transfer_group()  # off in kernel warm-up (KVConnector.set_disabled)

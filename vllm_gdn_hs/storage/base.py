@@ -1,6 +1,5 @@
-"""The interface of a storage backend. The scheduler side names each request's place (a file's path,
-an object's key) and answers with it; the worker side reserves it, then stores the rows there (from
-a write thread) or gives it up (``abandon``: also while a write of it runs, and more than once)."""
+"""A storage backend: the scheduler side names each request's place and answers with it; the
+worker side reserves it, then stores the rows there or gives it up (``abandon``, at any time)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class StorageOptions(BaseModel):
     """The base of a backend's own options (a field of the connector's config)."""
 
     def check_config(self, cfg: Any) -> None:
-        """Check or settle the connector's other options (``cfg``: the ``HiddenStatesConfig``
-        being validated, which holds these options) as this backend needs them."""
+        """Check or settle the connector's other options (``cfg``) as this backend needs them."""
 
 
 @dataclass
@@ -98,8 +96,7 @@ class HiddenStatesStorage(ABC):
 
     @abstractmethod
     def abandon(self, request: StoredRequest, why: str = "") -> None:
-        """Give the request's place up: its reader finds nothing and fails at once (``why``, for
-        a backend that tells the reader; empty for an aborted request, which nobody reads)."""
+        """Give the place up, so its reader fails at once (``why``: told to it; empty: aborted)."""
 
     def begin_close(self) -> None:  # noqa: B027 - optional
         """Shutdown has started: writes that wait on the backend should give up soon."""

@@ -1,7 +1,5 @@
-"""The file backend: one safetensors file per request (:mod:`vllm_gdn_hs.files`), under
-``shared_storage_path`` or, with ``allow_custom_save_path``, where the client asks inside
-``custom_save_root``. ``<file>.lock`` is held from :meth:`FileStorage.start` until the file is
-complete (``use_synchronization_lock``); the response names the file."""
+"""The file backend: one safetensors file per request (:mod:`vllm_gdn_hs.files`), its ``.lock``
+held from :meth:`FileStorage.start` until the file is complete."""
 
 from __future__ import annotations
 
@@ -53,9 +51,7 @@ class FileStorage(HiddenStatesStorage):
                     req_id,
                 )
             path = files.request_path(self.storage_path, req_id)
-        if os.path.lexists(path) or os.path.lexists(path + locks.LOCK_SUFFIX):
-            # An earlier request with the same id whose file nobody has read yet: writing
-            # again would cost that request its file.
+        if os.path.lexists(path) or os.path.lexists(path + locks.LOCK_SUFFIX):  # not read yet
             raise ValueError(
                 f"{path} already exists and has not been read; send a new request id, or move "
                 "the earlier file away"
@@ -89,8 +85,7 @@ class FileStorage(HiddenStatesStorage):
             if request.state == "open":
                 self._release_locked(request, remove=True)
             elif request.state == "writing":
-                # The write thread closes the descriptor when it ends; the lock file goes now,
-                # so a reader stops waiting (the file may still appear, complete).
+                # The lock file goes now (the writer closes its descriptor when it ends).
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(request.path + locks.LOCK_SUFFIX)
                 request.state = "abandoned"

@@ -1,8 +1,6 @@
 """The mooncake backend: each request's rows as one object in a Mooncake store, read by
-hs-connectors' ``MooncakeTransfer``. The scheduler side names the objects (:class:`KeyMaker`)
-and answers with hs-connectors' manifest; the worker side puts them through this server's
-client (:mod:`.mooncake_client`); the options are :mod:`.mooncake_options`. No lock: the
-reader waits for the object or its error object."""
+hs-connectors' ``MooncakeTransfer`` (no lock: the reader waits for the object or its error
+object). Puts go through this server's client (:mod:`.mooncake_client`)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-MAX_KEY_STEM = MAX_STEM  # the file names' stem length: keys and names alike
-
 
 def _sanitize_key(request_id: str) -> str:
     # hs-connectors' own function; its module imports vLLM, so only here, on use.
@@ -31,9 +27,8 @@ def _sanitize_key(request_id: str) -> str:
 
 
 class KeyMaker:
-    """``sanitize_key(request_id)`` (cut to 160 characters), ``-`` and a tag no other request
-    of any engine gets (random per scheduler, then a counter): ``sanitize_key`` maps many ids
-    to one key, and ids repeat across engines and restarts."""
+    """``sanitize_key(request_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across engines
+    and restarts (random per scheduler, then a counter): ``sanitize_key`` maps many ids to one."""
 
     def __init__(self) -> None:
         self.tag = secrets.token_hex(6)
@@ -41,7 +36,7 @@ class KeyMaker:
 
     def key(self, request_id: str) -> str:
         self.count += 1
-        return f"{_sanitize_key(request_id)[:MAX_KEY_STEM]}-{self.tag}{self.count:x}"
+        return f"{_sanitize_key(request_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
 
 
 class MooncakeStorage(HiddenStatesStorage):

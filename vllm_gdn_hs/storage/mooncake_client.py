@@ -1,18 +1,10 @@
-"""The mooncake backend's client: this server's puts into a Mooncake store, on the wire.
+"""The mooncake backend's client: this server's puts into a Mooncake store.
 
-Mirrors hs-connectors' ``MooncakeHiddenStatesConnector`` (0.9.0) on the wire, so that its
-reader, ``MooncakeTransfer``, reads our objects unchanged: the raw bytes of ``hidden_states``
-[T, L, H] and ``token_ids`` int64 [T] at the offsets of its ``packed_layout``, described by
-the v1 manifest (:func:`manifest`) in the response; a failure is ``{"error": why}`` under
-``key + ":error"``, which the reader raises at once.
-
-Every put is hard-pinned: a full store refuses it (-200) instead of evicting an object a
-trainer has not read yet, and the writer waits (:meth:`MooncakeStore.write`), so a full store
-slows the engine as slow storage does. The reader deletes what it reads;
-:meth:`MooncakeStore.close` removes what no reader took.
-
-While the master does not answer, puts wait for it; what a restarted master lost is put again
-(:mod:`.mooncake_unread`).
+On the wire as hs-connectors' ``MooncakeHiddenStatesConnector`` (0.9.0), so that its reader
+``MooncakeTransfer`` reads our objects: the tensors' bytes at its ``packed_layout``'s offsets,
+the v1 manifest (:func:`manifest`) in the response, a failure as ``{"error": why}`` under
+``key + ":error"``. Puts are hard-pinned: a full store refuses them and the writer waits, so it
+slows the engine as slow storage does (docs/mooncake.md).
 """
 
 from __future__ import annotations
@@ -43,10 +35,8 @@ MASTER_WAIT_S = 120.0  # how long a put waits for a master that does not answer
 def manifest(
     key, num_tokens, num_layers, hidden, dtype, include_output_tokens=False, fp8=False
 ) -> dict:
-    """hs-connectors' v1 transfer manifest for one request's object (as its connector builds
-    it in ``request_finished``), with its ``packed_layout``. ``fp8``: ``hidden_states`` in
-    float8_e4m3fn and one fp32 scale per token (``hidden_states_scales`` [T, 1, 1]), the fp8
-    file's tensors (``dtype`` is then ignored)."""
+    """hs-connectors' v1 transfer manifest for one request's object; ``fp8``: the fp8 file's
+    tensors (float8_e4m3fn rows, [T, 1, 1] fp32 scales; ``dtype`` ignored)."""
     rows_dtype = torch.float8_e4m3fn if fp8 else dtype
     layout = {"hidden_states": ([num_tokens, num_layers, hidden], rows_dtype)}
     if fp8:
@@ -130,8 +120,7 @@ class MooncakeStore:
         spec = manifest(key, n, num_layers, hidden, hidden_states.dtype, fp8=fp8)
         total = spec["metadata"]["total_aligned_bytes"]
         head = spec["tensors"]["hidden_states"]["nbytes"]
-        # The rows go as they lie in the host buffer; the scales and token ids, with the
-        # padding around them, as a second small part: no copy of the rows.
+        # The rows as they lie in the host buffer; the rest, padded, as a second small part.
         tail = torch.zeros(total - head, dtype=torch.uint8)
         small = {"token_ids": token_ids, **({SCALES_KEY: scales} if fp8 else {})}
         for name, tensor in small.items():
@@ -260,9 +249,8 @@ class MooncakeStore:
             self.closing_at = time.monotonic()
 
     def close(self, readers_until: float | None = None) -> None:
-        """Put the queued error objects (briefly), wait until ``readers_until`` (monotonic) for
-        trainers to read the objects still in the store (they live in this server's segment and
-        go with it), then remove what no reader took: hard-pinned objects never expire."""
+        """Put the queued error objects, wait until ``readers_until`` (monotonic) for trainers
+        to read what is left, then remove what no reader took (hard-pinned: never expires)."""
         self.begin_close()
         self.errors.put(None)
         self.error_thread.join(timeout=self.close_grace_s)
@@ -288,8 +276,8 @@ class MooncakeStore:
         )
 
     def _close_client(self) -> None:
-        """Close the Mooncake client once no thread of ours calls it: left to the interpreter's
-        exit, its C++ teardown may abort the process (``terminate called``)."""
+        """Close the client once no thread of ours calls it (left to the interpreter's exit,
+        its C++ teardown may abort the process)."""
         self.unread_objects.thread.join(timeout=2 * WATCH_S + 5)
         busy = [t.name for t in (self.error_thread, self.unread_objects.thread) if t.is_alive()]
         if busy:

@@ -1,7 +1,5 @@
-"""The ``mooncake`` backend's options: ``kv_connector_extra_config["mooncake"]``, with the keys
-of hs-connectors' ``MooncakeStoreConfig`` (a config written for its connector runs here). Apart
-from :mod:`.mooncake`, so that the launcher checks them without torch or vLLM.
-"""
+"""The ``mooncake`` backend's options (``kv_connector_extra_config["mooncake"]``, hs-connectors'
+``MooncakeStoreConfig`` keys), apart so that the launcher checks them without torch or vLLM."""
 
 from __future__ import annotations
 
@@ -24,12 +22,7 @@ class MooncakeOptions(StorageOptions):
 
     model_config = ConfigDict(extra="forbid")
 
-    local_hostname: str = Field(
-        "localhost",
-        min_length=1,
-        description="the address other Mooncake clients reach this one at (the launcher sets "
-        "MOONCAKE_LOCAL_HOSTNAME, or this host's address)",
-    )
+    local_hostname: str = Field("localhost", min_length=1, description="where others reach us")
     metadata_server: str = Field(
         "P2PHANDSHAKE", min_length=1, description="etcd/HTTP metadata server, or P2PHANDSHAKE"
     )
@@ -42,12 +35,7 @@ class MooncakeOptions(StorageOptions):
     local_buffer_size: int = Field(2 * GIB, ge=0, description="the client's staging buffer")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty: Mooncake's")
-    unread_copy_size: int = Field(
-        4 * GIB,
-        ge=0,
-        description="host bytes for copies of the objects no trainer has read yet, put again "
-        "if the master restarts (it loses every object); 0: none",
-    )
+    unread_copy_size: int = Field(4 * GIB, ge=0, description="host copies of unread objects")
     # speculators' --mooncake-writer-threads; here it sizes the connector's write_workers.
     num_writer_threads: int = Field(4, ge=1, le=64)
 
@@ -69,7 +57,7 @@ class MooncakeOptions(StorageOptions):
 
 def check_master(options: MooncakeOptions, timeout: float = 5.0) -> None:
     """ValueError naming the address unless the master accepts a TCP connection (Mooncake's
-    own setup retries for about 90 s before it says only -1)."""
+    setup retries for 90 s, then says -1)."""
     host, _, port = options.master_server_address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()

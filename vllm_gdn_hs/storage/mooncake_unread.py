@@ -1,10 +1,7 @@
-"""The objects this server put that no trainer has read yet, through a master restart.
-
-A restarted Mooncake master has lost every object, and with them samples whose handles this
-server has already answered. So the store keeps a host copy of each object no trainer has read
-yet (within ``unread_copy_size``) and a marker object that no reader deletes: once the marker
-is gone, :meth:`UnreadObjects.watch` puts the copies again. An object without a copy gets an
-error object instead, so that its reader fails at once with the reason, and is logged by name.
+"""The objects this server put that no trainer has read yet, kept through a master restart
+(which loses every object): host copies within ``unread_copy_size``, and a marker object no
+reader deletes; once it is gone, :meth:`UnreadObjects.watch` puts the copies again, and gives
+an object without one an error object (logged by name).
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ class UnreadObjects:
         s.check("put", self.marker, s.client.put(self.marker, b"1", s.pin))
 
     def keep(self, key: str, parts: list[torch.Tensor]) -> None:
-        """Own ``key`` from before its put (a restart meanwhile is seen), with a copy of its
-        bytes where ``unread_copy_size`` has room."""
+        """Own ``key`` from before its put, with a copy where ``unread_copy_size`` has room."""
         size = sum(p.numel() for p in parts)
         with self.lock:
             room = size <= self.store.options.unread_copy_size - self.copied
@@ -83,15 +79,15 @@ class UnreadObjects:
                 self.put_done.discard(k)
 
     def _put_and_found(self) -> tuple[list[tuple[str, torch.Tensor | None]], list[int]]:
-        """The keys whose put returned, with their copies (not the puts in flight: those go to
-        a restarted master themselves), and whether the store has each (1) or not (0)."""
+        """The keys whose put returned (those in flight reach a restarted master themselves),
+        with their copies, and whether the store has each (1) or not (0)."""
         with self.lock:
             owned = [(k, c) for k, c in self.owned.items() if k in self.put_done]
         return owned, self.store.client.batch_is_exist([k for k, _ in owned]) if owned else []
 
     def unread(self) -> list[str]:
-        """The keys put that are still in the store (readers delete theirs), once the marker
-        shows that the master kept its objects meanwhile; what a reader took is forgotten."""
+        """The keys put and still in the store, where the marker shows the master kept them;
+        what a reader took is forgotten."""
         with self.sweep:  # not while watch() puts objects again
             owned, found = self._put_and_found()
             keys = [k for k, _ in owned]
@@ -109,9 +105,8 @@ class UnreadObjects:
                 logger.warning("%s: Mooncake watch: %r", CONNECTOR_NAME, e)
 
     def watch(self) -> None:
-        """Forget what readers took; where the marker is gone (the master restarted and lost
-        every object), put the marker again and every unread object this server has a copy
-        of, and give the others an error object: those are lost, and logged by name."""
+        """Forget what readers took; where the marker is gone, put it and every copy again, and
+        give the objects without one an error object."""
         store, address = self.store, self.store.options.master_server_address
         with self.sweep:
             if store.client.is_exist(self.marker) != 0:  # there, or no master to ask: nothing

@@ -1,11 +1,7 @@
-"""``vllm-gdn-hs check DIR``: after (or during) a run, which hidden-state files are sound.
-
-Every request is sorted into complete, being written (a live writer holds ``<file>.lock``), lost (a
-lock nobody holds and no file: the writer died) or broken (truncated, not the speculators layout,
-another layer set than the rest of the folder); stale temp files are listed too. Only headers are
-read (no torch), unless ``--rows`` checks every row as the connector does. ``--reference MODEL``
-holds a sample to HF transformers (:func:`run_spot_check`): a wrong state that is finite and not
-zero (a recycled GDN state, rows shifted by a token) is only seen against the model itself.
+"""``vllm-gdn-hs check DIR``: after (or during) a run, which hidden-state files are sound:
+complete, being written, lost or broken (the reasons below). Only headers are read, unless
+``--rows``; ``--reference MODEL`` holds a sample to HF transformers (:func:`run_spot_check`),
+which alone sees a wrong state that is finite and not zero (a recycled GDN state, shifted rows).
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ def _error(message: str) -> int:
 
 
 def _stale_temp(path: str, pid: int, now: float) -> str | None:
-    """Why a temp file looks abandoned, or None. Age is required even with a pid (0:
-    safetensors' own temp file): a writer on another host has a pid this one cannot see."""
+    """Why a temp file looks abandoned, or None: old, even with a pid (0: safetensors'), as a
+    writer on another host has a pid this one cannot see."""
     try:
         age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
@@ -60,8 +56,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
-    """Sort one request (``path``: its data file); its layout when it is complete. A live run
-    moves on after the listing: anything that looks wrong is looked at again."""
+    """Sort one request (``path``: its file); its layout when complete. A live run moves on
+    after the listing: what looks wrong is looked at again."""
     held = lock_held(path + LOCK_SUFFIX) if has_lock else False
     if held:
         out["being_written"] += 1
@@ -105,8 +101,7 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
 
 
 def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
-    """Sort every request under ``root``, one folder at a time (listed, then checked at once,
-    so a live run has little time to move on); returns counts, totals and problem paths."""
+    """Sort every request under ``root``, a folder at a time; counts, totals, problem paths."""
     counts = ("complete", "unread", "being_written", "gone", "links", "tokens", "bytes")
     out: dict[str, Any] = dict.fromkeys(counts, 0)
     out |= {"layouts": Counter(), "problems": defaultdict(list)}  # kind -> [(path, detail)]
@@ -177,8 +172,8 @@ def report(root: str, out: dict, expect: int | None) -> list[str]:
 
 
 def run_check(root: str, rows: bool, expect: int | None, list_path: str | None, spot=None) -> int:
-    """0: every request is sound (with ``expect``: all there); 1: problems. ``spot`` (given the
-    complete paths: :func:`run_spot_check`) then judges a sample; the worse status wins."""
+    """0: every request is sound (and, with ``expect``, there); 1: problems. ``spot`` judges a
+    sample of the complete paths; the worse status wins."""
     if not os.path.isdir(root):
         return _error(f"{root} is not a folder")
     out = scan(root, rows)
@@ -206,9 +201,8 @@ def run_spot_check(
     max_tokens: int = 512,
     device: str = "cpu",
 ) -> int:
-    """A sample of :func:`scan`'s ``complete_paths`` against HF transformers on ``model`` (a
-    folder with the weights; the command line resolves a hub id and checks ``layer_ids``
-    against it): 0 within the bar; 1: a file or the pooled sample is not; 2: bad input."""
+    """A sample of ``complete_paths`` against HF transformers on ``model`` (a folder with the
+    weights): 0 within the bar; 1: a file or the pooled sample is not; 2: bad input."""
     from safetensors import safe_open
 
     from vllm_gdn_hs.files import hidden_states_of

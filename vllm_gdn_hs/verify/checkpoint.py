@@ -1,7 +1,5 @@
-"""A model folder's checkpoint as HF transformers sees it: its language model loaded from the
-safetensors, and random weights saved in the same layout. A multimodal (Qwen3.5/3.6)
-checkpoint keeps its language model under ``model.language_model.`` (transformers' text model:
-``model.``); its vision tower and MTP weights are skipped on load and never saved.
+"""A model folder's language model as HF transformers loads it, and random weights saved in
+its layout (multimodal checkpoints: under ``model.language_model.``, vision and MTP skipped).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def text_model(config: dict):
 
 
 def save_random_checkpoint(path: str, config: dict, seed: int = 0) -> str:
-    """A model folder holding ``config`` and random bf16 weights (a multimodal config: its
-    language model's only, under the checkpoint's names)."""
+    """A model folder holding ``config`` and random bf16 language-model weights."""
     import torch
     from safetensors.torch import save_file
 
@@ -63,8 +60,8 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def load_text_model(path: str, device: str = "cuda", dtype=None):
-    """The HF causal LM of a model folder (a multimodal one's language model), in ``dtype``
-    (default bf16, as saved; fp32 upcasts the same weights), from one or several shards."""
+    """The HF causal LM of a model folder (a multimodal one's language model) in ``dtype``
+    (default bf16; fp32 upcasts the same weights)."""
     import torch
     from safetensors.torch import load_file
 

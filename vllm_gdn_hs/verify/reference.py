@@ -1,17 +1,10 @@
-"""Hidden states from HF transformers on the same weights (layer id k: the output of decoder
-layer k - 1, taken with a forward hook; 0: the embeddings), and how close ours are.
+"""Hidden states from HF transformers on the same weights (layer id k: decoder layer k - 1's
+output; 0: the embeddings), and how close ours are.
 
-The bar: HF in fp32 on the same bf16 weights is the truth; each layer's error is
-``||x - hf32|| / ||hf32||``. bf16's error grows with depth, so ours is held to HF bf16's own:
-
-- per run and layer, the errors pooled over the run's files, ``sqrt(sum ||x - hf32||^2 /
-  sum ||hf32||^2)``: ours <= ``BAR_FACTOR`` x HF bf16's (:meth:`HFReference.pooled`);
-- per file and layer: ours <= ``GROSS_FACTOR`` x HF bf16's (:func:`within_bar`), and the
-  structural checks (:func:`file_problems`).
-
-One file's ratio is a noisy sample (on short prompts bf16's error moves by +-15%), so the tight
-bar is on the pooled errors, which weigh files by their tokens; the per-file bound is gross: it
-catches shifted rows, a wrong layer, garbage, and never flakes on bf16 noise.
+HF fp32 on the same bf16 weights is the truth; a layer's error is ``||x - hf32|| / ||hf32||``,
+and ours is held to HF bf16's own: pooled over a run's files, at most ``BAR_FACTOR`` times it
+(:meth:`HFReference.pooled`); per file, at most ``GROSS_FACTOR`` times (:func:`within_bar`),
+a gross bound that catches shifted rows or a wrong layer and never flakes on bf16 noise.
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleL
 
 @contextmanager
 def _no_tf32():
-    """fp32 means fp32: TF32 in matmuls or cuDNN convolutions (the GDN conv) moves the fp32
-    reference by a noticeable part of bf16's error."""
+    """fp32 means fp32: TF32 moves the reference by a noticeable part of bf16's error."""
     old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -60,9 +52,8 @@ def _no_tf32():
 def hf_hidden_states(
     model, prompts: list[list[int]], layer_ids: list[int], batch_tokens: int = 0
 ) -> list[torch.Tensor]:
-    """[T, L, H] in the model's dtype on the CPU for each prompt, layers in the given order.
-    Prompts of one length share a forward pass of up to ``batch_tokens`` tokens (no padding,
-    so nothing changes but the batch; 0: one prompt a pass)."""
+    """[T, L, H] on the CPU for each prompt, layers in the given order. Prompts of one length
+    share a pass of up to ``batch_tokens`` tokens (no padding; 0: one prompt a pass)."""
     layers = _decoder_layers(model, model.config.get_text_config().num_hidden_layers)
     captured: dict[int, torch.Tensor] = {}
 
@@ -121,9 +112,8 @@ def within_bar(
     layer_ids: list[int] | None = None,
     factor: float = GROSS_FACTOR,
 ) -> tuple[list[float], list[float], list[str]]:
-    """The per-file bound for one prompt's [T, L, H] tensors: per layer the errors of ours and
-    of HF bf16 (``ref16``) against HF fp32 (``ref32``), and a line for each layer (named by
-    ``layer_ids``) over ``factor`` x HF bf16's error."""
+    """Per layer, the errors of ours and HF bf16 against HF fp32, and a line for each layer
+    over ``factor`` x HF bf16's error."""
     if not ours.shape == ref32.shape == ref16.shape:
         raise ValueError(f"shapes differ: {ours.shape}, {ref32.shape}, {ref16.shape}")
     got, hf = relative_errors(ours, ref32), relative_errors(ref16, ref32)
@@ -152,9 +142,8 @@ def describe_pooled(pooled: dict) -> str:
 
 
 def worst_by_layer(checks: list[dict]) -> dict:
-    """Several :meth:`HFReference.check` results' errors against HF fp32 (ours, HF bf16),
-    worst per layer and overall, and the worst ratio of ours to HF bf16's in one file and
-    layer (the per-file bound). Empty if none has any."""
+    """Several :meth:`HFReference.check` results' worst errors (per layer and overall) and worst
+    ratio of ours to HF bf16's; empty if none has any."""
     if not (done := [c for c in checks if c["ours"]]):
         return {}
     ours = torch.tensor([c["ours"] for c in done])
@@ -170,9 +159,8 @@ def worst_by_layer(checks: list[dict]) -> dict:
 
 
 class HFReference:
-    """HF transformers' hidden states of one model folder in fp32 and bf16 (same bf16 weights,
-    loaded on first use; cached per prompt). :meth:`check` judges a file and pools its errors;
-    :meth:`pooled` judges the run since :meth:`reset`."""
+    """HF transformers' hidden states of a model folder in fp32 and bf16, cached per prompt;
+    :meth:`check` judges a file, :meth:`pooled` the run since :meth:`reset`."""
 
     def __init__(
         self,
@@ -209,8 +197,7 @@ class HFReference:
             del self._cache[next(iter(self._cache))]
 
     def precompute(self, prompts: list[list[int]]) -> None:
-        """Cache the references of ``prompts`` one dtype at a time, each model dropped after its
-        pass (memory for one model, not both); ``batch_tokens`` as :func:`hf_hidden_states`."""
+        """Cache the references of ``prompts`` one dtype at a time (one model in memory)."""
         keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
         if len(keys) > self.max_cached:
             raise ValueError(f"{len(keys)} prompts, more than max_cached={self.max_cached}")
@@ -231,9 +218,8 @@ class HFReference:
         self._cache.update((key, tuple(pair)) for key, pair in refs.items())
 
     def check(self, data: dict, seq: list[int]) -> dict:
-        """One file against its tokens: ``problems`` (:func:`file_problems`, then each layer over
-        the per-file bound) and per layer the errors of ``ours`` and ``hf_bf16`` against HF
-        fp32 (empty if the shape is wrong, else pooled into the run, problems or not)."""
+        """One file against its tokens: ``problems``, and per layer the errors of ``ours`` and
+        ``hf_bf16`` against HF fp32 (pooled into the run when the shape is right)."""
         ref32, ref16 = self(seq)
         hs = hidden_states_of(data)
         if SCALES in data:  # an fp8 file: the yardstick is HF bf16 put through the same fp8
@@ -257,9 +243,8 @@ class HFReference:
         self._sums = torch.zeros(3, len(self.layer_ids), dtype=torch.float64)
 
     def pooled(self) -> dict:
-        """The run since :meth:`reset` against the bar: per layer the pooled errors of ``ours``
-        and ``hf_bf16`` against HF fp32, their ``ratio``, ``files``, and ``problems`` (a line
-        per layer over BAR_FACTOR; a run of no file fails)."""
+        """The run since :meth:`reset`: per layer the pooled errors of ``ours`` and ``hf_bf16``,
+        their ``ratio``, ``files``, and ``problems`` (over BAR_FACTOR; no file fails)."""
         if not self._files:
             problems = ["no file pooled: nothing to judge"]
             return dict(ours=[], hf_bf16=[], ratio=[], files=0, problems=problems)
