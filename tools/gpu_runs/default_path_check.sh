@@ -20,6 +20,7 @@
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
 #   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
+#   bash tools/device/session.sh stop   (to start another: it ends this job, and only it)
 set -u
 cd "$(dirname "$0")/../.."
 SESSION=${SESSION:-/tmp/device-session}
