@@ -150,7 +150,10 @@ def watch_capture(torch, windows: list[dict]) -> None:
     original = GPUModelRunner.capture_model
 
     def reading() -> tuple[int, int]:
+        # capture_model empties the allocator's cache first and last: read as it does, or the
+        # warm-up's cached blocks count as memory the capture gave back
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
 
     def capture_model(self, *a, **kw):
