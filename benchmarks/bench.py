@@ -66,7 +66,7 @@ from workloads import DEFAULT_LAYERS, SHAPES, make_workload, model_config, write
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = (
-    "plain", "plain-v1", "ours", "ours-layers", "ours-next", "ours-v2", "fp8", "mooncake",
+    "plain", "plain-v1", "ours", "ours-layers", "ours-prev", "ours-v2", "fp8", "mooncake",
     "mooncake-fp8", "upstream", "hf",
 )  # fmt: skip
 

@@ -45,9 +45,9 @@ VARIANT_ORDER = {
 BASELINES = ("plain", "plain-v1")
 # the variants that run this package's connector: fp8 is ours with ``fp8: true``, mooncake
 # ours with the mooncake backend (a local mooncake_master: mooncake_side.py), mooncake-fp8
-# both, ours-v2 ours on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33.0), ours-next
-# ours with the defaults proposed next (worker.VARIANT_CONFIG)
-OURS = ("ours", "ours-next", "ours-v2", "fp8", "mooncake", "mooncake-fp8")
+# both, ours-v2 ours on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, vLLM 0.33.0), ours-prev
+# ours with the defaults before 2026-12-07 (worker.VARIANT_CONFIG)
+OURS = ("ours", "ours-prev", "ours-v2", "fp8", "mooncake", "mooncake-fp8")
 
 
 def status_note(r: dict) -> str:

@@ -23,7 +23,7 @@ CONNECTORS = {
     "ours": "HybridHiddenStatesConnector",
     "ours-layers": "HybridHiddenStatesConnector",  # with layer_by_layer: true (VARIANT_CONFIG)
     "ours-v2": "HybridHiddenStatesConnector",  # on Model Runner V2 (plan.variant_env)
-    "ours-next": "HybridHiddenStatesConnector",  # defaults proposed, not yet measured
+    "ours-prev": "HybridHiddenStatesConnector",  # the defaults before graph_aux_buffers
     "fp8": "HybridHiddenStatesConnector",  # with fp8: true (VARIANT_CONFIG)
     "mooncake": "HybridHiddenStatesConnector",  # objects in a local Mooncake store (run_vllm)
     "mooncake-fp8": "HybridHiddenStatesConnector",  # those objects in fp8
@@ -34,9 +34,8 @@ VARIANT_CONFIG = {
     "fp8": {"fp8": True},
     "mooncake-fp8": {"fp8": True},
     "ours-layers": {"layer_by_layer": True},
-    # graph_aux_buffers: the CUDA-graph memory fix (docs/memory.md); host_buffers 3: the
-    # layer sink takes its slot before the forward pass (2.3 s of waits at 2aa00da, H100)
-    "ours-next": {"graph_aux_buffers": True, "host_buffers": 3},
+    # the defaults until 2026-12-07: no graph_aux_buffers (docs/memory.md), 2 host buffers
+    "ours-prev": {"graph_aux_buffers": False, "host_buffers": 2},
 }
 
 

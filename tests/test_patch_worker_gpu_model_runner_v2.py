@@ -368,7 +368,7 @@ def test_graph_aux_buffers_give_vllms_graph_manager_one_tensor_of_aux_buffers_fi
     benchmarks/graph_memory.py). The patched capture_model fills vLLM's own manager's list
     before the original runs: a [largest capture size, hidden] view per layer id, all of one
     tensor, which vLLM then keeps (it allocates only into an empty list). Option
-    graph_aux_buffers, off until a GPU run measures it."""
+    graph_aux_buffers, on by default; off, vLLM's own way."""
     from vllm.config import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
@@ -384,9 +384,10 @@ def test_graph_aux_buffers_give_vllms_graph_manager_one_tensor_of_aux_buffers_fi
     seen = []
     capture = lambda self, *a, **kw: seen.append(list(self.cudagraph_manager.aux_hidden_states))  # noqa: E731
     with mock.patch.object(patch_mod, "_orig_capture_model", capture):
-        GPUModelRunner.capture_model(runner)  # graph_aux_buffers off by default: vLLM's way
+        extra["graph_aux_buffers"] = False
+        GPUModelRunner.capture_model(runner)  # off: vLLM's way
         assert manager.aux_hidden_states == [] and seen.pop() == []
-        extra["graph_aux_buffers"] = True
+        del extra["graph_aux_buffers"]  # the default
         GPUModelRunner.capture_model(runner)
         buffers = manager.aux_hidden_states
         GPUModelRunner.capture_model(runner)  # the next capture keeps them

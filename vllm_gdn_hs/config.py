@@ -28,7 +28,7 @@ class HiddenStatesConfig(BaseModel):
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
     host_buffers: int = Field(
-        2, ge=1, le=8, description="pinned host rows for this many of the largest steps"
+        3, ge=1, le=8, description="pinned host rows for this many of the largest steps"
     )
     write_workers: int = Field(  # vLLM's ExampleHiddenStatesConnector: num_writer_threads
         4, ge=1, le=64, validation_alias=AliasChoices("write_workers", "num_writer_threads")
@@ -36,9 +36,8 @@ class HiddenStatesConfig(BaseModel):
     validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
     fp8: bool = Field(False, description="float8_e4m3fn rows, one fp32 scale per token")
     layer_by_layer: bool = Field(True, description="an eager step's rows leave layer by layer")
-    # off until a GPU run measures it (docs/memory.md)
-    graph_aux_buffers: bool = Field(
-        False, description="vLLM's CUDA-graph aux buffers made before capture, apart"
+    graph_aux_buffers: bool = Field(  # docs/memory.md
+        True, description="vLLM's CUDA-graph aux buffers made before capture, apart"
     )
     write_backlog_gb: float = Field(16.0, gt=0, description="host memory of rows awaiting writes")
     shutdown_drain_s: float = Field(

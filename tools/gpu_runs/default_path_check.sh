@@ -3,8 +3,8 @@
 # records under $SESSION/results as it ends, so a lease cut short keeps what finished:
 #   1 bench     the 27B shape (dummy weights), vLLM's default GDN kernels, CUDA graphs, the
 #               extensible KV cache, max_num_seqs 256, prefix caching off: plain vLLM, ours
-#               with its defaults, and ours-next (graph_aux_buffers on, host_buffers 3), on
-#               128x1024 and chat -> bench.json (KV blocks, vLLM's peak activation and
+#               with its defaults (graph_aux_buffers on, host_buffers 3), on 128x1024 and
+#               chat -> bench.json (KV blocks, vLLM's peak activation and
 #               CUDA-graph lines, throughput)                                      (~8 min)
 #   2 accuracy  the tiny hybrid held to HF, eager and CUDA graphs, the default hand-over
 #               (tests/gpu/test_gpu_extract.py)                                     (~2 min)
@@ -45,7 +45,7 @@ for step in ${STEPS:-1 2 3 4 5 6 7}; do
     case $step in
     1)
         log "bench start"
-        python3 benchmarks/bench.py --shape 27b --variants plain,ours,ours-next \
+        python3 benchmarks/bench.py --shape 27b --variants ${VARIANTS:-plain,ours} \
             --workloads 128x1024,chat \
             --gpu-memory-utilization 0 --max-num-seqs 256 --run default-path --timeout 600 \
             --out-dir /dev/shm/hs-check --log-dir "$R/logs" --model-root /tmp/m27 \

@@ -11,7 +11,7 @@ How, only when the connector is configured:
   installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
 - ``profile_run``: the largest step's hand-over is allocated once, so the KV cache is sized
   with it (0.34.0's extensible KV cache keeps that peak free as headroom);
-- ``capture_model``, with ``graph_aux_buffers`` (off until a GPU run measures it): the
+- ``capture_model``, with ``graph_aux_buffers`` (on by default): the
   CUDA-graph manager's persistent aux buffers are allocated first, as one tensor in a segment
   of their own (:func:`~vllm_gdn_hs.patch.extraction.graph_aux_buffers`).
   Left to vLLM, they are made lazily during capture, inside a cached segment that a GDN
