@@ -5,9 +5,10 @@
 #               extensible KV cache, max_num_seqs 256, prefix caching off: plain vLLM, ours
 #               with its defaults (graph_aux_buffers on, host_buffers 3), on 128x1024 and
 #               chat -> bench.json (KV blocks, vLLM's peak activation and
-#               CUDA-graph lines, throughput)                                      (~8 min)
+#               CUDA-graph lines, throughput; 7.7 min on an H100 on 2026-12-07)    (~8 min)
 #   2 accuracy  the tiny hybrid held to HF, eager and CUDA graphs, the default hand-over
-#               (tests/gpu/test_gpu_extract.py)                                     (~2 min)
+#               (tests/gpu/test_gpu_extract.py; each tiny engine's first start JIT-compiles
+#               FlashInfer's GDN kernel for its widths, ~2 min)                     (~7 min)
 #   3 shutdown  SIGTERM, and SIGTERM then SIGINT, with 64 requests in flight, through the
 #               launcher and through plain `vllm serve` (tests/gpu/test_gpu_shutdown.py) (~7 min)
 #   4 families  every model family against HF (tests/gpu/test_gpu_families.py)       (~5 min)

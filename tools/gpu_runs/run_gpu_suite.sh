@@ -21,7 +21,7 @@ if [ "${INSTALL:-1}" = 1 ]; then
     fi
 fi
 [ -d /tmp/speculators-site ] && export SPECULATORS_SITE=/tmp/speculators-site
-{ git rev-parse HEAD 2>/dev/null; date -u; echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+{ echo "commit ${VLLM_GDN_HS_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}"; date -u; echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 TESTS=("$@")
