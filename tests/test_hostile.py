@@ -40,7 +40,8 @@ from vllm_gdn_hs.version import has_v1_runner
 _ABS = f"/tmp/vllm-gdn-hs-hostile-{uuid.uuid4().hex[:8]}"  # must never come into being
 HOSTILE_IDS = {
     "dotdot": "../../outside/x",
-    "deep-dotdot": "../../../../../../../../tmp/x",
+    # up to / and down to a name of this run's own: a shared /tmp's x is not this test's
+    "deep-dotdot": "../" * 8 + _ABS.lstrip("/") + "-deep/x",
     "absolute": _ABS + "/x",
     "nul": "nul\x00byte",
     "newline": "a\nb",
