@@ -26,19 +26,6 @@ def _sanitize_key(request_id: str) -> str:
     return sanitize_key(request_id)
 
 
-class KeyMaker:
-    """``sanitize_key(request_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across engines
-    and restarts (random per scheduler, then a counter): ``sanitize_key`` maps many ids to one."""
-
-    def __init__(self) -> None:
-        self.tag = secrets.token_hex(6)
-        self.count = 0
-
-    def key(self, request_id: str) -> str:
-        self.count += 1
-        return f"{_sanitize_key(request_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
-
-
 class MooncakeStorage(HiddenStatesStorage):
     unit = "objects"
     options_field = "mooncake"
@@ -46,7 +33,7 @@ class MooncakeStorage(HiddenStatesStorage):
     def __init__(self, cfg: StorageConfig):
         super().__init__(cfg)
         self.options: MooncakeOptions = getattr(cfg, self.options_field)
-        self.keys = KeyMaker()
+        self.tag, self.count = secrets.token_hex(6), 0  # in place_for's keys
         self.shape = RowShape([])
         self.store: MooncakeStore | None = None
 
@@ -61,13 +48,16 @@ class MooncakeStorage(HiddenStatesStorage):
         )
 
     def place_for(self, req_id: str, custom: str | None) -> str:
+        """The key: ``sanitize_key(req_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across
+        engines and restarts (random, then a counter), as ``sanitize_key`` maps many ids to one."""
         if custom is not None:
             logger.warning(
                 "%s: request %r: hidden_states_path ignored (the mooncake backend)",
                 CONNECTOR_NAME,
                 req_id,
             )
-        return self.keys.key(req_id)
+        self.count += 1
+        return f"{_sanitize_key(req_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
 
     def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
         """hs-connectors' v1 manifest; ``place`` is the key."""
