@@ -44,10 +44,6 @@ def requirement(name: str) -> SpecifierSet:
     raise RuntimeError(f"{DIST_NAME} metadata has no {name} requirement; reinstall {DIST_NAME}")
 
 
-def supported_vllm() -> SpecifierSet:
-    return requirement("vllm")
-
-
 def installed(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -169,7 +165,7 @@ def check_vllm(version: Version | None = None) -> Version:
         )
     if is_untested(release) and os.environ.get(ALLOW_UNTESTED, "").strip() == "1":
         return version
-    if release not in RELEASES or Version(release) not in supported_vllm():
+    if release not in RELEASES or Version(release) not in requirement("vllm"):
         allow = f", or set {ALLOW_UNTESTED}=1 to run vllm {version} untested"
         untested = allow if is_untested(release) else ""
         raise UnsupportedVllmError(
