@@ -18,7 +18,7 @@ from vllm_gdn_hs import model_support
 from vllm_gdn_hs.cli import model_info, serve_args
 from vllm_gdn_hs.cli.backends import BACKENDS, FileLaunch
 from vllm_gdn_hs.cli.serve_args import LaunchError, warn
-from vllm_gdn_hs.config import speculative_config
+from vllm_gdn_hs.config import config_from, speculative_config
 from vllm_gdn_hs.layer_ids import default_layer_ids, target_layer_ids, validate_layer_ids
 from vllm_gdn_hs.patch import runtime_patches
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
@@ -178,7 +178,7 @@ def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = Non
     vllm_args, user_kv = serve_args.take_kv_transfer_config(args.vllm_args)
     serve_args.check_vllm_args(vllm_args, info)
     kv = backend.build_kv_transfer_config(args, user_kv)
-    drain_s = serve_args.drain_seconds(kv)
+    drain_s = config_from(kv).shutdown_drain_s
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
         "--speculative_config", json.dumps(speculative_config(ids)),
