@@ -26,14 +26,6 @@ from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
-def extraction_layer_ids(vllm_config) -> list[int] | None:
-    """The connector's layer ids, or None when hidden states are not extracted."""
-    kv = vllm_config.kv_transfer_config
-    if not is_ours(kv):
-        return None
-    return configured_layer_ids(kv)
-
-
 def layer_order(layer_ids) -> list[int]:
     """Index into the model's aux hidden states (ascending layer order) for each
     configured layer id, so the file keeps the configured order."""
@@ -63,7 +55,8 @@ def extraction(runner) -> Extraction | None:
 
 def set_up_extraction(self, vllm_config) -> None:
     """After a runner's own ``__init__``: aux hidden states on, where the connector extracts."""
-    ids = extraction_layer_ids(vllm_config)
+    kv = vllm_config.kv_transfer_config
+    ids = configured_layer_ids(kv) if is_ours(kv) else None
     ours = None
     if ids:
         # At startup, not at the first step: the configured connector must take the rows.
