@@ -16,19 +16,13 @@ _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 _MODELS_PACKAGE = "vllm.model_executor.models"
 
 
-@functools.lru_cache(maxsize=1)
-def _vllm_dir() -> str | None:
-    spec = importlib.util.find_spec("vllm")  # the top package only: nothing of vLLM runs
-    return os.path.dirname(spec.origin) if spec and spec.origin else None
-
-
 @functools.lru_cache(maxsize=64)
 def _source(module: str) -> str | None:
     """The file of one of vLLM's modules; None if it is not vLLM's or not there."""
-    root = _vllm_dir()
-    if root is None or not module.startswith("vllm."):
+    spec = importlib.util.find_spec("vllm")  # the top package only: nothing of vLLM runs
+    if spec is None or spec.origin is None or not module.startswith("vllm."):
         return None
-    base = os.path.join(root, *module.split(".")[1:])
+    base = os.path.join(os.path.dirname(spec.origin), *module.split(".")[1:])
     paths = (base + ".py", os.path.join(base, "__init__.py"))
     return next((path for path in paths if os.path.isfile(path)), None)
 
