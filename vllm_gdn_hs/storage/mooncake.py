@@ -19,13 +19,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def _sanitize_key(request_id: str) -> str:
-    # hs-connectors' own function; its module imports vLLM, so only here, on use.
-    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
-
-    return sanitize_key(request_id)
-
-
 class MooncakeStorage(HiddenStatesStorage):
     unit = "objects"
     options_field = "mooncake"
@@ -50,6 +43,9 @@ class MooncakeStorage(HiddenStatesStorage):
     def place_for(self, req_id: str, custom: str | None) -> str:
         """The key: ``sanitize_key(req_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across
         engines and restarts (random, then a counter), as ``sanitize_key`` maps many ids to one."""
+        # hs-connectors' own function; its module imports vLLM, so only here, on use.
+        from hs_connectors.mooncake_hidden_states_connector import sanitize_key
+
         if custom is not None:
             logger.warning(
                 "%s: request %r: hidden_states_path ignored (the mooncake backend)",
@@ -57,7 +53,7 @@ class MooncakeStorage(HiddenStatesStorage):
                 req_id,
             )
         self.count += 1
-        return f"{_sanitize_key(req_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
+        return f"{sanitize_key(req_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
 
     def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
         """hs-connectors' v1 manifest; ``place`` is the key."""
