@@ -152,9 +152,6 @@ class LayerSink:
                 (num_tokens, len(self.column)), dtype=torch.float32, device=self.placeholder.device
             )
 
-    def close(self) -> None:
-        self.open = False
-
     def take(self, aux: torch.Tensor) -> torch.Tensor:
         """One aux state [padded tokens, H]; returns what the model keeps in its place."""
         column = self.column[self.taken]
@@ -272,4 +269,4 @@ def sink_open(self, num_tokens: int, dummy_run: bool):
             sink.slot = None
         raise
     finally:
-        sink.close()
+        sink.open = False
