@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
 
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 
 logger = init_logger(__name__)
 
@@ -107,7 +107,7 @@ class StatsBook:
 
 def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
     """One request got no hidden states: logged once with its id, and counted."""
-    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+    logger.error("request %r: no hidden-states file: %s", req_id, why)
     book.add(**{counter: 1})
 
 

@@ -22,7 +22,7 @@ from vllm_gdn_hs.hook import (
     hidden_states_connector,
     hidden_states_connector_class,
 )
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
 
@@ -206,10 +206,9 @@ def install_sink(self) -> None:
         return
     if self.device.type == "cuda" and not strided_copy_works(self.device):
         init_logger(__name__).warning(
-            "%s: layer_by_layer is off: a strided copy out of the GPU (cudaMemcpy2DAsync, "
+            "layer_by_layer is off: a strided copy out of the GPU (cudaMemcpy2DAsync, "
             "cuda-bindings) failed its check here; eager steps stack their rows after the "
-            "forward pass, which raises vLLM's warm-up peak",
-            CONNECTOR_NAME,
+            "forward pass, which raises vLLM's warm-up peak"
         )
         return
     sink = ours.sink = LayerSink(
@@ -229,9 +228,8 @@ def install_sink(self) -> None:
 
     holder._maybe_add_hidden_state = _maybe_add_hidden_state
     init_logger(__name__).info(
-        "%s: layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
+        "layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
         "of more than %d tokens",
-        CONNECTOR_NAME,
         largest_graph_step(self),
     )
 

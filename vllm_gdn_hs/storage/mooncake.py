@@ -8,7 +8,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from vllm_gdn_hs.files import MAX_STEM
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 from vllm_gdn_hs.storage.mooncake_client import MooncakeStore, manifest
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
@@ -33,8 +33,7 @@ class MooncakeStorage(HiddenStatesStorage):
     def open_scheduler_side(self, shape: RowShape) -> None:
         self.shape = shape
         logger.info(
-            "%s: layers %s -> Mooncake store at %s%s",
-            CONNECTOR_NAME,
+            "layers %s -> Mooncake store at %s%s",
             shape.layer_ids,
             self.options.master_server_address,
             " (fp8)" if self.cfg.fp8 else "",
@@ -47,11 +46,7 @@ class MooncakeStorage(HiddenStatesStorage):
         from hs_connectors.mooncake_hidden_states_connector import sanitize_key
 
         if custom is not None:
-            logger.warning(
-                "%s: request %r: hidden_states_path ignored (the mooncake backend)",
-                CONNECTOR_NAME,
-                req_id,
-            )
+            logger.warning("request %r: hidden_states_path ignored (the mooncake backend)", req_id)
         self.count += 1
         return f"{sanitize_key(req_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
 
