@@ -101,11 +101,10 @@ def unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     word = next((w for w in unknown if w.startswith("-")), unknown[0])
     if not word.startswith("-"):
         return f"unexpected argument {word!r}: flags for vllm serve go after '--'"
-    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-    if not any("mooncake" in s for s in known):  # their definitions import torch: only now
-        with contextlib.suppress(ImportError):
-            full = make_parser(parser.prog, mooncake=True)
-            known = [s for a in full._actions for s in a.option_strings if s.startswith("--")]
+    if not any("mooncake" in s for s in parser._option_string_actions):
+        with contextlib.suppress(ImportError):  # the mooncake options import torch: only now
+            parser = make_parser(parser.prog, mooncake=True)
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
     near = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
     return (
