@@ -62,12 +62,8 @@ def release(version: str | None = None) -> str:
     return v.base_version if v is not None else "0"
 
 
-def _at_least(since: str, version: str | None) -> bool:
-    return Version(release(version)) >= Version(since)
-
-
 def runs_model_runner_v2(version: str | None = None) -> bool:
-    return _at_least(MODEL_RUNNER_V2_FROM, version)
+    return Version(release(version)) >= Version(MODEL_RUNNER_V2_FROM)
 
 
 def has_v1_runner(version: str | None = None) -> bool:
@@ -75,7 +71,7 @@ def has_v1_runner(version: str | None = None) -> bool:
 
 
 def engine_wait_from_env(version: str | None = None) -> bool:
-    return _at_least(ENGINE_WAIT_FROM_ENV_FROM, version)
+    return Version(release(version)) >= Version(ENGINE_WAIT_FROM_ENV_FROM)
 
 
 def model_runner_v2_asked_for() -> bool:
