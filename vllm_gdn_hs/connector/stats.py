@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_gdn_hs.names import init_logger
 
@@ -170,9 +171,7 @@ class HiddenStatesPromMetrics(metrics.KVConnectorPromMetrics):
                 metric = self._gauge_cls(**kw, multiprocess_mode="mostrecent")
             else:
                 metric = self._counter_cls(**kw)
-            self.per_engine[key] = {
-                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+            self.per_engine[key] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
