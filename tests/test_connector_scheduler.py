@@ -26,9 +26,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_gdn_hs.cli.model_info import read_model_info
-from vllm_gdn_hs.connector import (
+from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+from vllm_gdn_hs.connector.metadata import (
     FinishedRequest,
-    HybridHiddenStatesConnector,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )

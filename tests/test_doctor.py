@@ -14,10 +14,15 @@ import pytest
 import torch
 
 from vllm_gdn_hs.cli import doctor, host
-from vllm_gdn_hs.cli.doctor import _compress, checks
+from vllm_gdn_hs.cli.doctor import _compress
 from vllm_gdn_hs.version import describe_releases, installed_vllm, runner_in_use
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+
+
+def checks(*args, **kwargs) -> list[host.Row]:
+    """Every row of the doctor's groups, in order."""
+    return [row for rows in doctor.iter_checks(*args, **kwargs) for row in rows]
 
 
 def _cli(*args):

@@ -11,13 +11,8 @@ from __future__ import annotations
 import harness
 import pytest
 
-from vllm_gdn_hs.patch.extraction import (
-    RUNNER_ATTR,
-    extraction,
-    extraction_layer_ids,
-    layer_order,
-    set_up_extraction,
-)
+from vllm_gdn_hs.config import configured_layer_ids, is_ours
+from vllm_gdn_hs.patch.extraction import RUNNER_ATTR, extraction, layer_order, set_up_extraction
 
 
 @pytest.mark.parametrize(
@@ -37,10 +32,10 @@ def test_layer_order(ids, order):
 
 def test_layer_ids_reach_the_runner_through_the_config(hybrid_model):
     cfg = harness.engine_config(hybrid_model, connector=harness.OURS, layer_ids=(8, 1, 4))
-    assert extraction_layer_ids(cfg) == [8, 1, 4]
+    assert configured_layer_ids(cfg.kv_transfer_config) == [8, 1, 4]
     assert cfg.speculative_config is None  # no drafter, no draft tokens
     stock = harness.engine_config(hybrid_model, connector=harness.STOCK)
-    assert extraction_layer_ids(stock) is None
+    assert not is_ours(stock.kv_transfer_config)
     assert stock.speculative_config is not None
 
 

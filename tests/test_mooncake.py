@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from test_connector_scheduler import make_request, prompt
 from test_hostile import Engine
 
-from vllm_gdn_hs.storage import mooncake, mooncake_client
+from vllm_gdn_hs.storage import mooncake_client
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 MB = 1 << 20
@@ -124,6 +124,8 @@ IDS = ["a.b", "a_b", "7x"]  # sanitize_key: "a_b", "a_b", "k7x"
 
 
 def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_path):
+    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
+
     file_eng = RowsEngine(hybrid_model, str(tmp_path / "files"))
     mc_eng = mooncake_engine(hybrid_model, tmp_path, master.address)
     transfer = reader(master.address)
@@ -138,7 +140,7 @@ def test_objects_equal_the_file_backend_bit_for_bit(hybrid_model, master, tmp_pa
     for rid in IDS:
         params = mc_eng.params(rid)
         assert set(params) == {"handle", "version", "tensors", "metadata"}
-        assert params["handle"].startswith(mooncake._sanitize_key(rid) + "-")
+        assert params["handle"].startswith(sanitize_key(rid) + "-")
         handles.add(params["handle"])
         got = transfer.get_generated(params)
         want = load_file(file_eng.params(rid)["hidden_states_path"])

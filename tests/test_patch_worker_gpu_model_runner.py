@@ -33,9 +33,9 @@ if not has_v1_runner():
 
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
-from vllm_gdn_hs.connector import (  # noqa: E402
+from vllm_gdn_hs.connector import HybridHiddenStatesConnector  # noqa: E402
+from vllm_gdn_hs.connector.metadata import (  # noqa: E402
     FinishedRequest,
-    HybridHiddenStatesConnector,
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )

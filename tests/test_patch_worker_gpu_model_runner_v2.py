@@ -40,9 +40,9 @@ if runs_model_runner_v2():
     from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from vllm_gdn_hs.connector import (
+    from vllm_gdn_hs.connector import HybridHiddenStatesConnector
+    from vllm_gdn_hs.connector.metadata import (
         FinishedRequest,
-        HybridHiddenStatesConnector,
         HybridHiddenStatesConnectorMetadata,
         NewRequest,
     )

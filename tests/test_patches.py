@@ -56,13 +56,13 @@ ALL_PATCHES = [(r, name) for r in FOLDERS for name in _series(r)]
 
 
 def test_one_series_per_supported_release():
-    from vllm_gdn_hs.version import RELEASES, supported_vllm
+    from vllm_gdn_hs.version import RELEASES, requirement
 
     covered = [release for folder in FOLDERS for release in _covers(folder)]
     assert sorted(covered, key=Version) == list(RELEASES)  # each once, none else
     for folder in FOLDERS:
         assert folder == _covers(folder)[0], "a folder is named after its first release"
-    assert all(release in supported_vllm() for release in covered)  # the pyproject pin
+    assert all(release in requirement("vllm") for release in covered)  # the pyproject pin
     folders = {d for d in os.listdir(PATCHES) if os.path.isdir(os.path.join(PATCHES, d))}
     assert folders == {*FOLDERS, "upstream"}, "a folder without VLLM_VERSIONS"
 

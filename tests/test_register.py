@@ -34,8 +34,8 @@ from vllm_gdn_hs.version import (
     install_command,
     installed_vllm,
     is_untested,
+    requirement,
     runs_model_runner_v2,
-    supported_vllm,
 )
 
 try:
@@ -150,7 +150,7 @@ PUBLISHED += ["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"]
 
 def test_supported_vllm_is_the_pyproject_pin():
     pin = _pyproject_vllm_pin()
-    assert supported_vllm() == pin.specifier
+    assert requirement("vllm") == pin.specifier
     # The requirement admits exactly the supported releases; every published release between
     # the first and the last is supported or refused with its reason, never forgotten.
     assert [v for v in PUBLISHED if v in pin.specifier] == list(RELEASES)

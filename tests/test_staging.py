@@ -47,7 +47,7 @@ def test_small_steps_go_on_while_a_large_one_is_filed():
     assert slot.start == 0  # the freed rows at the ring's start, after the wrap
     for s in [*small, slot]:
         s.release()
-    assert r.idle()
+    assert not r.live
 
 
 def test_rows_are_not_handed_out_twice_across_wraps():
@@ -77,7 +77,7 @@ def test_rows_are_not_handed_out_twice_across_wraps():
     handed.put(None)
     t.join(30)
     assert not t.is_alive() and not bad, bad[:3]
-    assert r.idle()
+    assert not r.live
 
 
 def test_a_step_the_ring_cannot_hold_is_refused():

@@ -26,26 +26,20 @@ class HiddenStatesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     shared_storage_path: str = "/tmp/hidden_states"
-    layer_ids: list[int] = Field(default_factory=list, description="residual stream after k layers")
-    host_buffers: int = Field(
-        3, ge=1, le=8, description="pinned host rows for this many of the largest steps"
-    )
+    layer_ids: list[int] = Field(default_factory=list)
+    host_buffers: int = Field(3, ge=1, le=8)
     write_workers: int = Field(  # vLLM's ExampleHiddenStatesConnector: num_writer_threads
         4, ge=1, le=64, validation_alias=AliasChoices("write_workers", "num_writer_threads")
     )
-    validate_rows: bool = Field(True, description="refuse files with NaN/Inf or all-zero rows")
-    fp8: bool = Field(False, description="float8_e4m3fn rows, one fp32 scale per token")
-    layer_by_layer: bool = Field(True, description="an eager step's rows leave layer by layer")
-    graph_aux_buffers: bool = Field(  # docs/memory.md
-        True, description="vLLM's CUDA-graph aux buffers made before capture, apart"
-    )
-    write_backlog_gb: float = Field(16.0, gt=0, description="host memory of rows awaiting writes")
-    shutdown_drain_s: float = Field(
-        120.0, ge=0, le=86_400, description="seconds at shutdown for the answered requests' files"
-    )
+    validate_rows: bool = True
+    fp8: bool = False
+    layer_by_layer: bool = True
+    graph_aux_buffers: bool = True
+    write_backlog_gb: float = Field(16.0, gt=0)
+    shutdown_drain_s: float = Field(120.0, ge=0, le=86_400)
     allow_custom_save_path: bool = False
-    use_synchronization_lock: bool = True  # off: no .lock (files read after the run only)
-    custom_save_root: str | None = None  # a client's own path must lie inside; default: shared
+    use_synchronization_lock: bool = True
+    custom_save_root: str | None = None
     mooncake: MooncakeOptions | None = None
 
     @model_validator(mode="after")

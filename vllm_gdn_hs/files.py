@@ -78,17 +78,6 @@ def is_temp(name: str) -> int | None:
     return 0 if _SAFETENSORS_TEMP.match(name) else None
 
 
-def file_mode() -> int:
-    """The mode a new file gets under this process's umask (0644 under the usual 022)."""
-    try:  # read without setting it (os.umask would race with other threads' files)
-        with open("/proc/self/status") as f:
-            mask = next(int(ln.split()[1], 8) for ln in f if ln.startswith("Umask:"))
-    except (OSError, StopIteration):
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return 0o666 & ~mask
-
-
 def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
     """``{"hidden_states": [T, L, H], "token_ids": [T]}`` once the file is complete."""
     from safetensors.torch import load_file
@@ -110,7 +99,6 @@ def write_file(path, hidden_states, token_ids, scales=None) -> None:
             make_folder_again(os.path.dirname(path))
         with open(tmp, "wb") as f:
             safetensors_io.write(f, tensors)
-        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -16,42 +16,32 @@ _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 _MODELS_PACKAGE = "vllm.model_executor.models"
 
 
-@functools.lru_cache(maxsize=1)
-def _vllm_dir() -> str | None:
+@functools.lru_cache(maxsize=64)
+def _source(module: str) -> str | None:
+    """The file of one of vLLM's modules; None if it is not vLLM's or not there."""
     spec = importlib.util.find_spec("vllm")  # the top package only: nothing of vLLM runs
-    return os.path.dirname(spec.origin) if spec and spec.origin else None
+    if spec is None or spec.origin is None or not module.startswith("vllm."):
+        return None
+    base = os.path.join(os.path.dirname(spec.origin), *module.split(".")[1:])
+    paths = (base + ".py", os.path.join(base, "__init__.py"))
+    return next((path for path in paths if os.path.isfile(path)), None)
 
 
 @functools.lru_cache(maxsize=64)
 def _parse(module: str) -> ast.Module | None:
-    """The source of one of vLLM's modules, parsed; None if it is not vLLM's or not there."""
-    root = _vllm_dir()
-    if root is None or not module.startswith("vllm."):
+    if (path := _source(module)) is None:
         return None
-    base = os.path.join(root, *module.split(".")[1:])
-    for path in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return ast.parse(f.read(), path)
-    return None
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
 
 
 def _resolve(module: str, relative: str | None, level: int) -> str:
     """The absolute module of ``from <level dots><relative> import ...`` inside ``module``."""
     if not level:
         return relative or ""
-    parts = module.split(".")
-    if not _is_package(module):  # a module's dot is its package
-        parts = parts[:-1]
-    parts = parts[: len(parts) - (level - 1)]
-    return ".".join(parts + ([relative] if relative else []))
-
-
-def _is_package(module: str) -> bool:
-    root = _vllm_dir()
-    return root is not None and os.path.isfile(
-        os.path.join(root, *module.split(".")[1:], "__init__.py")
-    )
+    is_package = (_source(module) or "").endswith("__init__.py")  # a module's dot: its package
+    package = module if is_package else module.rpartition(".")[0]
+    return importlib.util.resolve_name("." * level + (relative or ""), package)
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,8 +8,15 @@ CONNECTOR_NAME = "HybridHiddenStatesConnector"
 CONNECTOR_MODULE = "vllm_gdn_hs.connector"
 
 
-def init_logger(name: str) -> logging.Logger:
+class ConnectorLogger(logging.LoggerAdapter):
+    """Each line starts with the connector's name."""
+
+    def process(self, msg, kwargs):
+        return f"{CONNECTOR_NAME}: {msg}", kwargs
+
+
+def init_logger(name: str) -> ConnectorLogger:
     """vLLM's ``init_logger``, inside the ``vllm`` tree (outside, INFO lines are dropped)."""
     from vllm.logger import init_logger as vllm_init_logger
 
-    return vllm_init_logger(f"vllm.{name}")
+    return ConnectorLogger(vllm_init_logger(f"vllm.{name}"))

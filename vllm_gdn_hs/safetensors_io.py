@@ -37,10 +37,7 @@ def raw_bytes(t) -> memoryview:
     """A CPU tensor's bytes, without a copy where it is contiguous."""
     import torch
 
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def write(f: BinaryIO, tensors: dict) -> None:

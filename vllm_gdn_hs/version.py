@@ -44,10 +44,6 @@ def requirement(name: str) -> SpecifierSet:
     raise RuntimeError(f"{DIST_NAME} metadata has no {name} requirement; reinstall {DIST_NAME}")
 
 
-def supported_vllm() -> SpecifierSet:
-    return requirement("vllm")
-
-
 def installed(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -66,12 +62,8 @@ def release(version: str | None = None) -> str:
     return v.base_version if v is not None else "0"
 
 
-def _at_least(since: str, version: str | None) -> bool:
-    return Version(release(version)) >= Version(since)
-
-
 def runs_model_runner_v2(version: str | None = None) -> bool:
-    return _at_least(MODEL_RUNNER_V2_FROM, version)
+    return Version(release(version)) >= Version(MODEL_RUNNER_V2_FROM)
 
 
 def has_v1_runner(version: str | None = None) -> bool:
@@ -79,7 +71,7 @@ def has_v1_runner(version: str | None = None) -> bool:
 
 
 def engine_wait_from_env(version: str | None = None) -> bool:
-    return _at_least(ENGINE_WAIT_FROM_ENV_FROM, version)
+    return Version(release(version)) >= Version(ENGINE_WAIT_FROM_ENV_FROM)
 
 
 def model_runner_v2_asked_for() -> bool:
@@ -169,7 +161,7 @@ def check_vllm(version: Version | None = None) -> Version:
         )
     if is_untested(release) and os.environ.get(ALLOW_UNTESTED, "").strip() == "1":
         return version
-    if release not in RELEASES or Version(release) not in supported_vllm():
+    if release not in RELEASES or Version(release) not in requirement("vllm"):
         allow = f", or set {ALLOW_UNTESTED}=1 to run vllm {version} untested"
         untested = allow if is_untested(release) else ""
         raise UnsupportedVllmError(

@@ -182,10 +182,6 @@ def iter_checks(
     yield load_checks(load, needs)
 
 
-def checks(*args, **kwargs) -> list[Row]:
-    return [row for rows in iter_checks(*args, **kwargs) for row in rows]
-
-
 def run_doctor(*args, **kwargs) -> int:
     """Print each row of :func:`iter_checks` as soon as it is known; 1 if any failed."""
     problems = []

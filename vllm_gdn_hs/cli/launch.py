@@ -18,7 +18,7 @@ from vllm_gdn_hs import model_support
 from vllm_gdn_hs.cli import model_info, serve_args
 from vllm_gdn_hs.cli.backends import BACKENDS, FileLaunch
 from vllm_gdn_hs.cli.serve_args import LaunchError, warn
-from vllm_gdn_hs.config import speculative_config
+from vllm_gdn_hs.config import config_from, speculative_config
 from vllm_gdn_hs.layer_ids import default_layer_ids, target_layer_ids, validate_layer_ids
 from vllm_gdn_hs.patch import runtime_patches
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
@@ -101,11 +101,10 @@ def unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     word = next((w for w in unknown if w.startswith("-")), unknown[0])
     if not word.startswith("-"):
         return f"unexpected argument {word!r}: flags for vllm serve go after '--'"
-    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
-    if not any("mooncake" in s for s in known):  # their definitions import torch: only now
-        with contextlib.suppress(ImportError):
-            full = make_parser(parser.prog, mooncake=True)
-            known = [s for a in full._actions for s in a.option_strings if s.startswith("--")]
+    if not any("mooncake" in s for s in parser._option_string_actions):
+        with contextlib.suppress(ImportError):  # the mooncake options import torch: only now
+            parser = make_parser(parser.prog, mooncake=True)
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
     near = difflib.get_close_matches(word.partition("=")[0], known, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]}? " if near else ""
     return (
@@ -178,7 +177,7 @@ def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = Non
     vllm_args, user_kv = serve_args.take_kv_transfer_config(args.vllm_args)
     serve_args.check_vllm_args(vllm_args, info)
     kv = backend.build_kv_transfer_config(args, user_kv)
-    drain_s = serve_args.drain_seconds(kv)
+    drain_s = config_from(kv).shutdown_drain_s
     command = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
         "--speculative_config", json.dumps(speculative_config(ids)),

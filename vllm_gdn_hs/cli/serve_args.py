@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from vllm_gdn_hs.cli.model_info import ModelInfo
-from vllm_gdn_hs.config import TEARDOWN_S, config_from, shutdown_window
+from vllm_gdn_hs.config import TEARDOWN_S, shutdown_window
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.version import engine_wait_from_env
 
@@ -144,11 +144,6 @@ def _has_flashinfer() -> bool:
 # vLLM's API server SIGKILLs its engine cores soon after SIGTERM (0.33.0 on: at once) unless
 # told to wait: the launcher says shutdown_window() here too (patch/shutdown.py).
 SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
-
-
-def drain_seconds(kv_transfer_config: dict) -> float:
-    """The connector's ``shutdown_drain_s`` in a KV transfer config (default if unset)."""
-    return config_from(kv_transfer_config).shutdown_drain_s
 
 
 def shutdown_env(drain_s: float, environ=None) -> dict[str, str]:

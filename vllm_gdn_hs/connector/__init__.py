@@ -19,11 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tp_group
 
 from vllm_gdn_hs.connector.checks import config_from, validate_vllm_config
-from vllm_gdn_hs.connector.metadata import (
-    FinishedRequest,
-    HybridHiddenStatesConnectorMetadata,
-    NewRequest,
-)
+from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
 from vllm_gdn_hs.connector.scheduler import HybridHiddenStatesConnectorScheduler
 from vllm_gdn_hs.connector.staging import HostSlot, rows_and_norms
 from vllm_gdn_hs.connector.stats import HiddenStatesKVConnectorStats, HiddenStatesPromMetrics
@@ -41,11 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-__all__ = [
-    "FinishedRequest", "HybridHiddenStatesConnector", "HybridHiddenStatesConnectorMetadata",
-    "NewRequest",
-]  # fmt: skip
 
 
 class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRows):

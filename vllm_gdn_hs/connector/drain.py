@@ -17,7 +17,7 @@ from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestR
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook, failed
 from vllm_gdn_hs.connector.writer import WriteJob, Writer
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
@@ -117,7 +117,7 @@ class Drain:
                             return
                 except Exception:
                     name = type(task).__name__
-                    logger.exception("%s: hidden-state drain task %s failed", CONNECTOR_NAME, name)
+                    logger.exception("hidden-state drain task %s failed", name)
         finally:
             self.writer.producer_done.set()  # the writer's last producer is gone
 

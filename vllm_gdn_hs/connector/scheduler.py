@@ -15,7 +15,7 @@ from vllm_gdn_hs.connector.metadata import (
     HybridHiddenStatesConnectorMetadata,
     NewRequest,
 )
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.base import RowShape
 from vllm_gdn_hs.storage.registry import storage_for
 
@@ -93,7 +93,7 @@ class HybridHiddenStatesConnectorScheduler:
 
     def _refuse(self, req_id: str, why: str) -> None:
         self._refused[req_id] = why
-        logger.warning("%s: request %r: no hidden states: %s", CONNECTOR_NAME, req_id, why)
+        logger.warning("request %r: no hidden states: %s", req_id, why)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> HybridHiddenStatesConnectorMetadata:
         meta = HybridHiddenStatesConnectorMetadata(finished_requests=self._finished)

@@ -174,10 +174,6 @@ class HostRing:
                 self.live.popleft()
             self.room.notify_all()
 
-    def idle(self) -> bool:
-        with self.room:
-            return not self.live
-
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
     ) -> tuple[HostSlot, float]:

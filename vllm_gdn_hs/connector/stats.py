@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+from vllm.v1.metrics.utils import create_metric_per_engine
 
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 
 logger = init_logger(__name__)
 
@@ -107,7 +108,7 @@ class StatsBook:
 
 def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
     """One request got no hidden states: logged once with its id, and counted."""
-    logger.error("%s: request %r: no hidden-states file: %s", CONNECTOR_NAME, req_id, why)
+    logger.error("request %r: no hidden-states file: %s", req_id, why)
     book.add(**{counter: 1})
 
 
@@ -170,9 +171,7 @@ class HiddenStatesPromMetrics(metrics.KVConnectorPromMetrics):
                 metric = self._gauge_cls(**kw, multiprocess_mode="mostrecent")
             else:
                 metric = self._counter_cls(**kw)
-            self.per_engine[key] = {
-                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+            self.per_engine[key] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

@@ -19,7 +19,7 @@ from vllm_gdn_hs.connector.metadata import HybridHiddenStatesConnectorMetadata
 from vllm_gdn_hs.connector.staging import HostRing, HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook, WriterStats
 from vllm_gdn_hs.connector.writer import Writer
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.registry import storage_for
 
 logger = init_logger(__name__)
@@ -96,11 +96,10 @@ class HybridHiddenStatesConnectorWorker:
         if waited > 0.5:
             self._warn_once(
                 "host_buffers",
-                "%s: the engine waited %.1f s for host buffers, with %d files being written "
+                "the engine waited %.1f s for host buffers, with %d files being written "
                 "(%.2f GB): writing hidden states is slower than the GPU (with files being "
                 "written: write to faster storage, or raise write_workers; with none: raise "
                 "host_buffers)",
-                CONNECTOR_NAME,
                 waited,
                 (gauges := self.writer.gauges())["writing"],
                 gauges["backlog_bytes"] / 1e9,
@@ -129,7 +128,7 @@ class HybridHiddenStatesConnectorWorker:
             stats = self.stats
             self.logged = (now, stats.files, stats.bytes)
         rate = (now - then, stats.files - files, stats.bytes - size)
-        logger.info("%s: %s", CONNECTOR_NAME, stats.progress_line(self.storage.unit, rate))
+        logger.info("%s", stats.progress_line(self.storage.unit, rate))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self.warned:
@@ -148,13 +147,13 @@ class HybridHiddenStatesConnectorWorker:
         self.storage.begin_close()  # e.g. writes waiting for a full Mooncake store give up soon
         with signals_logged(timeout):
             if not self.drain.stop(deadline - time.monotonic()):
-                logger.error("%s: the drain thread did not end within %gs", CONNECTOR_NAME, timeout)
+                logger.error("the drain thread did not end within %gs", timeout)
             self.writer.close(deadline)
             unfinished = self.drain.abandon_unfinished()
             self.storage.close(deadline)  # a store's readers may read until then
         self.book.add(unfinished=len(unfinished))
         line = self.stats.shutdown_line(unfinished, self.storage.unit)
-        logger.info("%s: %s", CONNECTOR_NAME, line)
+        logger.info("%s", line)
 
 
 @contextlib.contextmanager
@@ -167,9 +166,8 @@ def signals_logged(timeout: float):
 
     def log(signum, frame):
         logger.warning(
-            "%s: %s during shutdown: finishing the hidden-state writes first (at most %gs, "
+            "%s during shutdown: finishing the hidden-state writes first (at most %gs, "
             "shutdown_drain_s)",
-            CONNECTOR_NAME,
             signal.Signals(signum).name,
             timeout,
         )

@@ -18,7 +18,7 @@ import torch
 from vllm_gdn_hs.config import HiddenStatesConfig
 from vllm_gdn_hs.connector.request_rows import RequestRows
 from vllm_gdn_hs.connector.stats import StatsBook, failed
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.rows import check_norms
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
@@ -68,10 +68,9 @@ class Writer:
             if self.backlog_bytes and self.backlog_bytes + job.nbytes > limit:
                 self.warn_once(
                     "write_backlog_gb",
-                    "%s: %.1f GB of finished requests wait for their files to be written "
+                    "%.1f GB of finished requests wait for their files to be written "
                     "(write_backlog_gb=%g): extraction now runs at the speed of the writes "
                     "(write to faster storage, or raise write_workers)",
-                    CONNECTOR_NAME,
                     self.backlog_bytes / 1e9,
                     self.cfg.write_backlog_gb,
                 )
@@ -176,9 +175,8 @@ class Writer:
             self._lost(job, "not written within shutdown_drain_s")
         if running:
             logger.error(
-                "%s: %d files were still being written after shutdown_drain_s=%gs: their locks "
+                "%d files were still being written after shutdown_drain_s=%gs: their locks "
                 "are removed (each file may still appear, complete)",
-                CONNECTOR_NAME,
                 len(running),
                 self.cfg.shutdown_drain_s,
             )

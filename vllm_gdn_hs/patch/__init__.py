@@ -50,7 +50,7 @@ class Patch:
         for name, value in self.attrs.items():
             verb = "replaced" if hasattr(self.target, name) else "added"
             setattr(self.target, name, value)
-            logger.debug("vllm_gdn_hs: %s %s.%s", verb, self.target.__qualname__, name)
+            logger.debug("%s %s.%s", verb, self.target.__qualname__, name)
         self.target._vllm_gdn_hs_patched = True  # type: ignore[attr-defined]
         self.applied = True
 

@@ -22,16 +22,8 @@ from vllm_gdn_hs.hook import (
     hidden_states_connector,
     hidden_states_connector_class,
 )
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
-
-
-def extraction_layer_ids(vllm_config) -> list[int] | None:
-    """The connector's layer ids, or None when hidden states are not extracted."""
-    kv = vllm_config.kv_transfer_config
-    if not is_ours(kv):
-        return None
-    return configured_layer_ids(kv)
 
 
 def layer_order(layer_ids) -> list[int]:
@@ -63,7 +55,8 @@ def extraction(runner) -> Extraction | None:
 
 def set_up_extraction(self, vllm_config) -> None:
     """After a runner's own ``__init__``: aux hidden states on, where the connector extracts."""
-    ids = extraction_layer_ids(vllm_config)
+    kv = vllm_config.kv_transfer_config
+    ids = configured_layer_ids(kv) if is_ours(kv) else None
     ours = None
     if ids:
         # At startup, not at the first step: the configured connector must take the rows.
@@ -159,9 +152,6 @@ class LayerSink:
                 (num_tokens, len(self.column)), dtype=torch.float32, device=self.placeholder.device
             )
 
-    def close(self) -> None:
-        self.open = False
-
     def take(self, aux: torch.Tensor) -> torch.Tensor:
         """One aux state [padded tokens, H]; returns what the model keeps in its place."""
         column = self.column[self.taken]
@@ -216,10 +206,9 @@ def install_sink(self) -> None:
         return
     if self.device.type == "cuda" and not strided_copy_works(self.device):
         init_logger(__name__).warning(
-            "%s: layer_by_layer is off: a strided copy out of the GPU (cudaMemcpy2DAsync, "
+            "layer_by_layer is off: a strided copy out of the GPU (cudaMemcpy2DAsync, "
             "cuda-bindings) failed its check here; eager steps stack their rows after the "
-            "forward pass, which raises vLLM's warm-up peak",
-            CONNECTOR_NAME,
+            "forward pass, which raises vLLM's warm-up peak"
         )
         return
     sink = ours.sink = LayerSink(
@@ -239,9 +228,8 @@ def install_sink(self) -> None:
 
     holder._maybe_add_hidden_state = _maybe_add_hidden_state
     init_logger(__name__).info(
-        "%s: layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
+        "layer_by_layer: each layer's rows leave the GPU as the model makes them in steps "
         "of more than %d tokens",
-        CONNECTOR_NAME,
         largest_graph_step(self),
     )
 
@@ -279,4 +267,4 @@ def sink_open(self, num_tokens: int, dummy_run: bool):
             sink.slot = None
         raise
     finally:
-        sink.close()
+        sink.open = False

@@ -26,15 +26,11 @@ _FACTORS = hasattr(KVTransferConfig, "compile_factors")
 _orig = KVTransferConfig.compile_factors if _FACTORS else KVTransferConfig.compute_hash
 
 
-def _layers(self: KVTransferConfig) -> list[int]:
-    return configured_layer_ids(self)
-
-
 def compute_hash(self: KVTransferConfig) -> str:
     base = _orig(self)
     if not is_ours(self):
         return base
-    factors = f"{base}|{CONNECTOR_NAME}|aux_hidden_states={_layers(self)}"
+    factors = f"{base}|{CONNECTOR_NAME}|aux_hidden_states={configured_layer_ids(self)}"
     return hashlib.sha256(factors.encode()).hexdigest()
 
 
@@ -42,7 +38,8 @@ def compile_factors(self: KVTransferConfig) -> dict[str, object]:
     factors = _orig(self)
     if not is_ours(self):
         return factors
-    return {**factors, "kv_connector": CONNECTOR_NAME, "aux_hidden_states": _layers(self)}
+    ours = {"kv_connector": CONNECTOR_NAME, "aux_hidden_states": configured_layer_ids(self)}
+    return {**factors, **ours}
 
 
 PATCH = Patch(

@@ -66,9 +66,8 @@ def take_layer_ids_from_speculative_config(vllm_config: VllmConfig) -> None:
     extra["layer_ids"] = ids
     vllm_config.speculative_config = None
     logger.info(
-        "%s: extracting layers %s from the target model, without speculative "
+        "extracting layers %s from the target model, without speculative "
         "decoding (no draft tokens, no drafter KV cache)",
-        CONNECTOR_NAME,
         ids,
     )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_gdn_hs.config import is_ours
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.patch import Patch
 
 logger = init_logger(__name__)
@@ -29,9 +29,7 @@ def _set_default_chunked_prefill_and_prefix_caching_args(self: EngineArgs, *args
     result = _orig(self, *args, **kwargs)
     if unset and is_ours(self.kv_transfer_config):
         if self.enable_prefix_caching:
-            logger.info(
-                "%s: prefix caching off (cached prefixes have no hidden states)", CONNECTOR_NAME
-            )
+            logger.info("prefix caching off (cached prefixes have no hidden states)")
         self.enable_prefix_caching = False
     return result
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch
@@ -62,20 +61,15 @@ def _model_forward(self, *args, **kwargs):
     output = _orig_model_forward(self, *args, **kwargs)
     if extraction(self) is not None:
         positions = _MODEL_FORWARD_ARGS.bind(self, *args, **kwargs).arguments["positions"]
-        save_step(self, output[1], positions)
+        num_reqs = self.input_batch.num_reqs
+        hand_over(  # the scheduled tokens' rows, no padding
+            self,
+            output[1],
+            req_ids=list(self.input_batch.req_ids[:num_reqs]),
+            query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1].clone(),
+            positions=positions[0] if positions.dim() == 2 else positions,  # M-RoPE: [3, tokens]
+        )
     return output
-
-
-def save_step(self, aux_hidden_states: list[torch.Tensor], positions: torch.Tensor) -> None:
-    """Hand this step's rows (scheduled tokens only, no padding) to the connector."""
-    num_reqs = self.input_batch.num_reqs
-    hand_over(
-        self,
-        aux_hidden_states,
-        req_ids=list(self.input_batch.req_ids[:num_reqs]),
-        query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1].clone(),
-        positions=positions[0] if positions.dim() == 2 else positions,  # M-RoPE: [3, tokens]
-    )
 
 
 def _determine_batch_execution_and_padding(self, *args, **kwargs):

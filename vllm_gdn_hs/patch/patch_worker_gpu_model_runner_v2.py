@@ -11,13 +11,9 @@ How, only when the connector is configured:
   installed (:func:`~vllm_gdn_hs.patch.extraction.install_sink`);
 - ``profile_run``: the largest step's hand-over is allocated once, so the KV cache is sized
   with it (0.34.0's extensible KV cache keeps that peak free as headroom);
-- ``capture_model``, with ``graph_aux_buffers`` (on by default): the
-  CUDA-graph manager's persistent aux buffers are allocated first, as one tensor in a segment
-  of their own (:func:`~vllm_gdn_hs.patch.extraction.graph_aux_buffers`).
-  Left to vLLM, they are made lazily during capture, inside a cached segment that a GDN
-  prefill kernel's workspace had made; they keep that segment from being returned: measured on
-  an H100 (27B widths, 6 layer ids, FlashInfer's GDN kernel), 0.78 GiB of CUDA-graph memory,
-  16 KV cache blocks, for 30 MiB of buffers;
+- ``capture_model``, with ``graph_aux_buffers`` (on by default): the CUDA-graph manager's aux
+  buffers are allocated first, in a segment of their own, not lazily inside a cached segment
+  they would pin (:func:`~vllm_gdn_hs.patch.extraction.graph_aux_buffers`; docs/memory.md);
 - ``execute_model``: after a real forward pass with the connector on, the scheduled tokens'
   aux states go to the connector before ``sample_tokens`` calls ``wait_for_save``. (V2 keeps
   prefill chunks out of FULL decode CUDA graphs itself: no dispatch guard as in V1.)

@@ -64,10 +64,9 @@ def set_window(vllm_config) -> None:
         vllm_config.shutdown_timeout = window
     elif vllm_config.shutdown_timeout < window:
         logger.warning(
-            "%s: --shutdown-timeout %d is shorter than the %d s the drain needs "
+            "--shutdown-timeout %d is shorter than the %d s the drain needs "
             "(2 x shutdown_drain_s %g + %d s of teardown): running requests are aborted "
             "sooner, and files not written by then lose their lock. Pass --shutdown-timeout %d",
-            CONNECTOR_NAME,
             vllm_config.shutdown_timeout,
             window,
             drain_s,
@@ -98,7 +97,7 @@ def _handle_shutdown(self) -> bool:
         )
         side.refuse(reason)
         aborted = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        logger.warning("%s: %d aborted: %s", CONNECTOR_NAME, len(aborted), reason)
+        logger.warning("%d aborted: %s", len(aborted), reason)
         self._send_abort_outputs(aborted)
     return _orig_handle_shutdown(self)
 
@@ -107,9 +106,8 @@ def _on_signal(self, side: DrainsAtShutdown) -> None:
     now, timeout = time.monotonic(), self.vllm_config.shutdown_timeout
     if getattr(self, "_vllm_gdn_hs_start", None) is not None:
         logger.warning(
-            "%s: another signal during the drain: the drain goes on (%.0f s left at most); "
+            "another signal during the drain: the drain goes on (%.0f s left at most); "
             "SIGKILL stops it, then `vllm-gdn-hs check` lists the incomplete files",
-            CONNECTOR_NAME,
             self._vllm_gdn_hs_start + timeout - now,
         )
         return
@@ -118,10 +116,9 @@ def _on_signal(self, side: DrainsAtShutdown) -> None:
     self._vllm_gdn_hs_start, self._vllm_gdn_hs_deadline = now, now + requests_s
     side.refuse("the server is shutting down")
     logger.info(
-        "%s: draining: %d requests running may finish within %g s, then their files are "
+        "draining: %d requests running may finish within %g s, then their files are "
         "written within %g s (shutdown_drain_s); the engine exits within %d s "
         "(--shutdown-timeout); new requests are refused",
-        CONNECTOR_NAME,
         self.scheduler.get_num_unfinished_requests(),
         requests_s,
         drain_s,

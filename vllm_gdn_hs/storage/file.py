@@ -31,12 +31,11 @@ class FileStorage(HiddenStatesStorage):
                 'launcher, or "shared_storage_path" in --kv-transfer-config\'s '
                 "kv_connector_extra_config"
             )
-        logger.info("%s: layers %s -> %s", CONNECTOR_NAME, shape.layer_ids, self.storage_path)
+        logger.info("layers %s -> %s", shape.layer_ids, self.storage_path)
         if self.cfg.allow_custom_save_path:
             logger.warning(
-                "%s: allow_custom_save_path is on: any client may choose where its file is "
+                "allow_custom_save_path is on: any client may choose where its file is "
                 "written, anywhere under %s (custom_save_root)",
-                CONNECTOR_NAME,
                 self.custom_root,
             )
 
@@ -46,9 +45,7 @@ class FileStorage(HiddenStatesStorage):
         else:
             if custom is not None:  # the response names the file's real path
                 logger.warning(
-                    "%s: request %r: hidden_states_path ignored (allow_custom_save_path is off)",
-                    CONNECTOR_NAME,
-                    req_id,
+                    "request %r: hidden_states_path ignored (allow_custom_save_path is off)", req_id
                 )
             path = files.request_path(self.storage_path, req_id)
         if os.path.lexists(path) or os.path.lexists(path + locks.LOCK_SUFFIX):  # not read yet

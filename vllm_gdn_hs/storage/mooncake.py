@@ -8,7 +8,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from vllm_gdn_hs.files import MAX_STEM
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, RowShape, StorageConfig, StoredRequest
 from vllm_gdn_hs.storage.mooncake_client import MooncakeStore, manifest
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
@@ -19,26 +19,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-def _sanitize_key(request_id: str) -> str:
-    # hs-connectors' own function; its module imports vLLM, so only here, on use.
-    from hs_connectors.mooncake_hidden_states_connector import sanitize_key
-
-    return sanitize_key(request_id)
-
-
-class KeyMaker:
-    """``sanitize_key(request_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across engines
-    and restarts (random per scheduler, then a counter): ``sanitize_key`` maps many ids to one."""
-
-    def __init__(self) -> None:
-        self.tag = secrets.token_hex(6)
-        self.count = 0
-
-    def key(self, request_id: str) -> str:
-        self.count += 1
-        return f"{_sanitize_key(request_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
-
-
 class MooncakeStorage(HiddenStatesStorage):
     unit = "objects"
     options_field = "mooncake"
@@ -46,28 +26,29 @@ class MooncakeStorage(HiddenStatesStorage):
     def __init__(self, cfg: StorageConfig):
         super().__init__(cfg)
         self.options: MooncakeOptions = getattr(cfg, self.options_field)
-        self.keys = KeyMaker()
+        self.tag, self.count = secrets.token_hex(6), 0  # in place_for's keys
         self.shape = RowShape([])
         self.store: MooncakeStore | None = None
 
     def open_scheduler_side(self, shape: RowShape) -> None:
         self.shape = shape
         logger.info(
-            "%s: layers %s -> Mooncake store at %s%s",
-            CONNECTOR_NAME,
+            "layers %s -> Mooncake store at %s%s",
             shape.layer_ids,
             self.options.master_server_address,
             " (fp8)" if self.cfg.fp8 else "",
         )
 
     def place_for(self, req_id: str, custom: str | None) -> str:
+        """The key: ``sanitize_key(req_id)`` (cut to ``MAX_STEM``), ``-`` and a tag unique across
+        engines and restarts (random, then a counter), as ``sanitize_key`` maps many ids to one."""
+        # hs-connectors' own function; its module imports vLLM, so only here, on use.
+        from hs_connectors.mooncake_hidden_states_connector import sanitize_key
+
         if custom is not None:
-            logger.warning(
-                "%s: request %r: hidden_states_path ignored (the mooncake backend)",
-                CONNECTOR_NAME,
-                req_id,
-            )
-        return self.keys.key(req_id)
+            logger.warning("request %r: hidden_states_path ignored (the mooncake backend)", req_id)
+        self.count += 1
+        return f"{sanitize_key(req_id)[:MAX_STEM]}-{self.tag}{self.count:x}"
 
     def response(self, place: str, num_tokens: int, include_output_tokens: bool) -> dict:
         """hs-connectors' v1 manifest; ``place`` is the key."""

@@ -98,8 +98,7 @@ class MooncakeStore:
         self.error_thread.start()
         self.unread_objects = UnreadObjects(self)
         logger.info(
-            "%s: Mooncake store at %s (%s, this client %s lends %.2f GiB); puts hard-pinned",
-            CONNECTOR_NAME,
+            "Mooncake store at %s (%s, this client %s lends %.2f GiB); puts hard-pinned",
             options.master_server_address,
             options.protocol,
             options.local_hostname,
@@ -169,8 +168,8 @@ class MooncakeStore:
                 if rc == NO_AVAILABLE_HANDLE:
                     self._log_full(now - since)
                 elif since == now:
-                    logger.warning("%s: the Mooncake master at %s does not answer: puts wait "
-                                   "for it up to %.0f s", CONNECTOR_NAME,
+                    logger.warning("the Mooncake master at %s does not answer: puts wait "
+                                   "for it up to %.0f s",
                                    self.options.master_server_address, MASTER_WAIT_S)  # fmt: skip
                 time.sleep(delay)
                 delay = min(2 * delay, 0.2)
@@ -190,12 +189,11 @@ class MooncakeStore:
             mean = self.stats["bytes"] / max(self.stats["objects"], 1)
         unread = len(self.unread())
         logger.warning(
-            "%s: the Mooncake store is full: %d writes waiting (the longest %.0f s), %d objects "
+            "the Mooncake store is full: %d writes waiting (the longest %.0f s), %d objects "
             "(%.2f GB) put by this server not read yet. Objects are hard-pinned and stay until "
             "a trainer reads them, so extraction now runs at the trainers' pace; if this "
             "lasts, check that a trainer reads from %s, or lend the store more memory "
             "(--mooncake-global-segment-gib, here or on the trainers)",
-            CONNECTOR_NAME,
             waiting,
             waited,
             unread,
@@ -234,9 +232,8 @@ class MooncakeStore:
                 closing = self.closing_at is not None and now - self.closing_at > 1.0
                 if now > deadline or closing:
                     logger.error(
-                        "%s: could not put the error object %s (status %s): its reader "
+                        "could not put the error object %s (status %s): its reader "
                         "waits until its own timeout",
-                        CONNECTOR_NAME,
                         key,
                         rc,
                     )
@@ -264,10 +261,9 @@ class MooncakeStore:
         self._close_client()
         log = logger.error if unread else logger.info
         log(
-            "%s: Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "
+            "Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "
             "by a trainer by the end of shutdown_drain_s (their readers fail) and %d objects "
             "in all were removed at shutdown",
-            CONNECTOR_NAME,
             self.stats["objects"],
             self.stats["bytes"] / 1e9,
             self.stats["errors"],
@@ -282,9 +278,7 @@ class MooncakeStore:
         busy = [t.name for t in (self.error_thread, self.unread_objects.thread) if t.is_alive()]
         if busy:
             logger.warning(
-                "%s: Mooncake client left open at shutdown: %s still running",
-                CONNECTOR_NAME,
-                ", ".join(busy),
+                "Mooncake client left open at shutdown: %s still running", ", ".join(busy)
             )
             return
         with contextlib.suppress(Exception):
@@ -295,9 +289,8 @@ class MooncakeStore:
         waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
         if waiting and until is not None and until > time.monotonic():
             logger.info(
-                "%s: waiting up to %.0f s for trainers to read the %d objects still in the "
+                "waiting up to %.0f s for trainers to read the %d objects still in the "
                 "Mooncake store",
-                CONNECTOR_NAME,
                 until - time.monotonic(),
                 len(waiting),
             )

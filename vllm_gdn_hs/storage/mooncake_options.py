@@ -18,24 +18,18 @@ GIB = 1024**3
 
 
 class MooncakeOptions(StorageOptions):
-    """Where the Mooncake store is and how this server joins it (as a client)."""
+    """Where the Mooncake store is and how this server joins it, as docs/mooncake.md explains."""
 
     model_config = ConfigDict(extra="forbid")
 
-    local_hostname: str = Field("localhost", min_length=1, description="where others reach us")
-    metadata_server: str = Field(
-        "P2PHANDSHAKE", min_length=1, description="etcd/HTTP metadata server, or P2PHANDSHAKE"
-    )
-    master_server_address: str = Field(
-        "127.0.0.1:50051", pattern=r"^\S+:\d{1,5}$", description="the mooncake_master, host:port"
-    )
-    global_segment_size: int = Field(
-        4 * GIB, ge=0, description="bytes this client lends the store for objects"
-    )
-    local_buffer_size: int = Field(2 * GIB, ge=0, description="the client's staging buffer")
+    local_hostname: str = Field("localhost", min_length=1)  # where others reach us
+    metadata_server: str = Field("P2PHANDSHAKE", min_length=1)
+    master_server_address: str = Field("127.0.0.1:50051", pattern=r"^\S+:\d{1,5}$")
+    global_segment_size: int = Field(4 * GIB, ge=0)
+    local_buffer_size: int = Field(2 * GIB, ge=0)
     protocol: Literal["tcp", "rdma"] = "tcp"
-    device_name: str = Field("", description="RDMA device(s), e.g. mlx5_0; empty: Mooncake's")
-    unread_copy_size: int = Field(4 * GIB, ge=0, description="host copies of unread objects")
+    device_name: str = ""
+    unread_copy_size: int = Field(4 * GIB, ge=0)
     # speculators' --mooncake-writer-threads; here it sizes the connector's write_workers.
     num_writer_threads: int = Field(4, ge=1, le=64)
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_gdn_hs.names import CONNECTOR_NAME, init_logger
+from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 logger = init_logger(__name__)
@@ -102,7 +102,7 @@ class UnreadObjects:
             try:
                 self.watch()
             except Exception as e:  # never let this thread die
-                logger.warning("%s: Mooncake watch: %r", CONNECTOR_NAME, e)
+                logger.warning("Mooncake watch: %r", e)
 
     def watch(self) -> None:
         """Forget what readers took; where the marker is gone, put it and every copy again, and
@@ -123,7 +123,7 @@ class UnreadObjects:
                     try:
                         store.put_parts(key, [(copy.data_ptr(), copy.numel())])
                     except Exception as e:
-                        logger.error("%s: %s not put again: %s", CONNECTOR_NAME, key, e)
+                        logger.error("%s not put again: %s", key, e)
                         lost.append(key)
             self.forget(lost)
             why = (f"the Mooncake master at {address} restarted and lost this sample, and its "
@@ -134,8 +134,8 @@ class UnreadObjects:
             store.stats["put_again"] += len(again) - len(lost)
             store.stats["lost"] += len(lost)
         (logger.error if lost else logger.warning)(
-            "%s: the Mooncake master at %s lost its objects (restarted): %d put again from "
-            "this server's copies, %d lost%s", CONNECTOR_NAME, address, len(again) - len(lost),
+            "the Mooncake master at %s lost its objects (restarted): %d put again from "
+            "this server's copies, %d lost%s", address, len(again) - len(lost),
             len(lost), f" (no copy within unread_copy_size, or not put again): {', '.join(lost)}"
             if lost else "",
         )  # fmt: skip

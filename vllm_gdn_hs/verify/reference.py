@@ -55,16 +55,13 @@ def hf_hidden_states(
     """[T, L, H] on the CPU for each prompt, layers in the given order. Prompts of one length
     share a pass of up to ``batch_tokens`` tokens (no padding; 0: one prompt a pass)."""
     layers = _decoder_layers(model, model.config.get_text_config().num_hidden_layers)
-    captured: dict[int, torch.Tensor] = {}
+    captured: dict[torch.nn.Module, torch.Tensor] = {}
 
-    def hook(layer_id):
-        def fn(_module, _inputs, output):
-            captured[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return fn
+    def hook(module, _inputs, output):
+        captured[module] = output[0] if isinstance(output, tuple) else output
 
     modules = {i: layers[i - 1] if i else model.get_input_embeddings() for i in layer_ids}
-    handles = [module.register_forward_hook(hook(i)) for i, module in modules.items()]
+    handles = [module.register_forward_hook(hook) for module in modules.values()]
     device = next(model.parameters()).device
     by_len: dict[int, list[int]] = {}
     for i, prompt in enumerate(prompts):
@@ -78,7 +75,7 @@ def hf_hidden_states(
                 captured.clear()
                 ids = torch.tensor([prompts[i] for i in batch], device=device)
                 model(input_ids=ids, use_cache=False)
-                stacked = torch.stack([captured[i] for i in layer_ids], dim=2).cpu()  # [B,T,L,H]
+                stacked = torch.stack([captured[modules[i]] for i in layer_ids], dim=2).cpu()
                 for row, i in enumerate(batch):
                     out[i] = stacked[row]
     finally:
