@@ -21,6 +21,9 @@
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
 #   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
+#   STEPS="1 2+3+4 5" ...   steps joined by + run at once (the tiny-model suites: each engine
+#               takes 0.3 of the GPU, and their JIT compiles overlap); never join the bench or
+#               e2e, whose speed and KV figures need the GPU alone
 #   bash tools/device/session.sh stop   (to start another: it ends this job, and only it)
 set -u
 cd "$(dirname "$0")/../.."
@@ -38,12 +41,12 @@ suite() {  # a name, a time limit, then pytest node ids
     local name=$1 limit=$2
     shift 2
     log "$name start"
-    SITE=/tmp/site INSTALL=0 RUN_DEMO=0 SUITE_TIMEOUT=$limit OUT="$R/$name" \
+    SITE=/tmp/site INSTALL=0 BASETEMP=/tmp/pytest-suite-$name RUN_DEMO=0 SUITE_TIMEOUT=$limit OUT="$R/$name" \
         bash tools/gpu_runs/run_gpu_suite.sh "$@" >"$R/logs/$name.txt" 2>&1
     log "$name end: $(grep -E "^pytest exit" "$R/$name/env.txt" 2>/dev/null)"
 }
-for step in ${STEPS:-1 2 3 4 5 6 7}; do
-    case $step in
+step() {
+    case $1 in
     1)
         log "bench start"
         python3 benchmarks/bench.py --shape 27b --variants ${VARIANTS:-plain,ours} \
@@ -84,5 +87,9 @@ for step in ${STEPS:-1 2 3 4 5 6 7}; do
         head -c 6000 "$R/graph-memory-compare-ours.txt"
         ;;
     esac
+}
+for group in ${STEPS:-1 2 3 4 5 6 7}; do
+    for s in ${group//+/ }; do step "$s" & done
+    wait
 done
 log "done"

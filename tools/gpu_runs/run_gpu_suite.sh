@@ -25,15 +25,20 @@ fi
   python3 -c "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"
 } > "$OUT/env.txt" 2>&1
 TESTS=("$@")
+# BASETEMP gives this suite's pytest a temp folder of its own, so that suites run at once on one
+# machine stop only their own left-over servers below
+BASETEMP=${BASETEMP:-}
+BT_ARGS=()
+[ -n "$BASETEMP" ] && BT_ARGS=(--basetemp "$BASETEMP")
 [ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/gpu/test_gpu_extract.py tests/gpu/test_gpu_launch.py tests/gpu/test_gpu_tp.py)
 VLLM_GDN_HS_RESULTS="$OUT/gpu.json" VLLM_GDN_HS_LAUNCH_RESULTS="$OUT/launch.json" \
     PYTHONPATH=$SITE:tests/gpu:tests timeout "${SUITE_TIMEOUT:-3600}" python3 -m pytest --noconftest -m gpu -v -s \
-    -p no:cacheprovider -p gpu_report \
+    -p no:cacheprovider -p gpu_report "${BT_ARGS[@]}" \
     "${TESTS[@]}" > "$OUT/gpu.log" 2>&1
 echo "pytest exit $?" >> "$OUT/env.txt"
 # A test's server runs in its own session (its model under pytest's temp folder) and outlives a
 # pytest cut by SUITE_TIMEOUT, holding its GPU memory (run 38: 43 GiB under the next engines).
-for pid in $(pgrep -f "entrypoints.cli.main serve /tmp/pytest-of-"); do
+for pid in $(pgrep -f "entrypoints.cli.main serve ${BASETEMP:-/tmp/pytest-of-}"); do
     echo "stopping a test server left running: $pid" | tee -a "$OUT/env.txt"
     kill -9 -- "-$pid" 2>/dev/null || kill -9 "$pid"
 done
