@@ -292,6 +292,54 @@ def test_vllm_flag_before_double_dash_is_refused(capsys, dense):
     assert "unexpected argument 'extra': flags for vllm serve go after '--'" in err
 
 
+@pytest.mark.parametrize(
+    "typo, near",
+    [
+        (["--max-num-seqz", "8"], "--max-num-seqs"),
+        (["--gpu_memory_utilisation=0.8"], "--gpu-memory-utilization"),
+        (["--enable-prefix-cache"], "--enable-prefix-caching"),
+    ],
+)
+def test_misspelled_vllm_flag_is_refused_even_in_dry_run(capsys, dense, typo, near):
+    """A vLLM flag after `--` that the installed vLLM's serve does not know: `vllm serve` would
+    refuse it only after starting, and `--dry-run` would print it as if it were fine."""
+    err = fail(capsys, dense, "--", "-tp", "1", *typo)
+    assert f"has no such option (did you mean {near}?)" in err
+
+
+def test_vllm_flags_in_every_spelling_vllm_reads_pass(capsys, dense):
+    user = [
+        "--max_num_seqs",
+        "8",
+        "--compilation-config.mode",
+        "3",
+        "--no-enforce-eager",
+        "--disable-log-requests",
+        "--max-num-seq",
+        "4",
+        "-O3",
+        "--enable-chunked-prefill",
+    ]
+    assert tail(dry_run(capsys, dense, "--", *user))[-len(user) :] == user
+
+
+def test_serve_flags_are_every_option_of_vllm_serve(monkeypatch):
+    """The flags read from vLLM's sources are the options of vLLM's own `vllm serve` parser,
+    built here (its device probe, which needs a GPU, is skipped: it only fills a default)."""
+    from vllm.config.device import DeviceConfig
+    from vllm.entrypoints.cli.serve import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_gdn_hs.cli import vllm_flags
+
+    monkeypatch.setattr(DeviceConfig, "__post_init__", lambda self: None)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    options = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    assert len(options) > 300
+    assert vllm_flags.misspelled(sorted(options)) is None
+    assert vllm_flags.misspelled(["--max-num-seqz"]) is not None
+
+
 # --- The command ------------------------------------------------------------------------------
 
 

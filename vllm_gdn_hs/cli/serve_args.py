@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from vllm_gdn_hs.cli import vllm_flags
 from vllm_gdn_hs.cli.model_info import ModelInfo
 from vllm_gdn_hs.config import TEARDOWN_S, shutdown_window
 from vllm_gdn_hs.names import CONNECTOR_NAME
@@ -91,6 +92,8 @@ def take_kv_transfer_config(vllm_args: list[str]) -> tuple[list[str], dict]:
 
 
 def check_vllm_args(vllm_args: list[str], info: ModelInfo) -> None:
+    if typo := vllm_flags.misspelled([parsed[0] for parsed in filter(None, map(_flag, vllm_args))]):
+        raise LaunchError(typo)
     if used := _last_value(vllm_args, {"--speculative-config", "-sc"}):
         raise LaunchError(
             f"{used[0]} is set by the launcher for hidden-state extraction; drop it from "
