@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from importlib import metadata
 from typing import Any, ClassVar
 
 from pydantic import ValidationError
@@ -128,17 +129,11 @@ BACKENDS: dict[str, type[FileLaunch]] = {
 }
 
 
-# hs-connectors' Mooncake wheels: each installs the package "mooncake"
-MOONCAKE_WHEELS = (
-    "mooncake-transfer-engine-non-cuda",
-    "mooncake-transfer-engine-cuda13",
-    "mooncake-transfer-engine",
-)
-
-
 def mooncake_checks(master: str) -> list[Row]:
     """A Mooncake wheel that loads, and the master at ``master`` (host:port) answering."""
-    wheels = [f"{d} {v}" for d in MOONCAKE_WHEELS if (v := version.installed(d))]
+    # hs-connectors' Mooncake wheels (-non-cuda, -cuda13, ...) all install the package "mooncake"
+    dists = metadata.packages_distributions().get("mooncake", [])
+    wheels = [f"{d} {version.installed(d)}" for d in sorted(set(dists))]
     problem = None
     if not wheels:
         problem = (

@@ -1,5 +1,5 @@
 """``vllm-gdn-hs demo``: hidden states of a tiny random Qwen3.5 hybrid model extracted through
-``LLM(...)``, each file held to HF transformers on the same weights (a GPU needed)."""
+``LLM(...)``, each file held to HF transformers as ``check --reference`` does (a GPU needed)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ def tiny_hybrid_config(
 
 LAYERS = [1, 4, 6, 8]
 PROMPT_LENS = [1, 17, 100, 700, 1500]
-BAR = 0.03
 
 
 def run_demo(workdir: str) -> int:
@@ -76,8 +75,8 @@ def run_demo(workdir: str) -> int:
 
     from vllm_gdn_hs.config import extraction_config
     from vllm_gdn_hs.files import load_hidden_states
-    from vllm_gdn_hs.verify.checkpoint import load_text_model, save_random_checkpoint
-    from vllm_gdn_hs.verify.reference import file_problems, hf_hidden_states, relative_errors
+    from vllm_gdn_hs.verify.check import run_spot_check
+    from vllm_gdn_hs.verify.checkpoint import save_random_checkpoint
 
     model = os.path.join(workdir, "tiny-qwen3.5-hybrid")
     save_random_checkpoint(model, tiny_hybrid_config())  # random bf16 weights, seed 0
@@ -96,25 +95,10 @@ def run_demo(workdir: str) -> int:
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False
     )
-    hf = load_text_model(model)
-    hidden = hf.config.get_text_config().hidden_size
-    print(f"\nmodel: {model}\nlayers: {LAYERS}\n")
-    print(f"{'tokens':>7}  " + "  ".join(f"L{i:<6}" for i in LAYERS) + "  file")
-    ok = True
-    for out, prompt in zip(outputs, prompts, strict=True):
-        path = out.kv_transfer_params["hidden_states_path"]
-        data = load_hidden_states(path, timeout=30)
-        problems = file_problems(data, prompt, len(LAYERS), hidden)
-        errs = relative_errors(data["hidden_states"], hf_hidden_states(hf, [prompt], LAYERS)[0])
-        ok &= not problems and max(errs) <= BAR
-        print(
-            f"{len(prompt):>7}  "
-            + "  ".join(f"{e:<7.4f}" for e in errs)
-            + f"  {path}"
-            + (f"  PROBLEMS: {problems}" if problems else "")
-        )
-    print(
-        f"\nrelative error vs HF transformers (bar {BAR}): {'PASS' if ok else 'FAIL'}; "
-        f"{len(outputs)} files in {storage}"
-    )
-    return 0 if ok else 1
+    paths = [out.kv_transfer_params["hidden_states_path"] for out in outputs]
+    for path, prompt in zip(paths, prompts, strict=True):  # each read once its .lock is let go
+        if load_hidden_states(path, timeout=30)["token_ids"].tolist() != prompt:
+            print(f"error: {path} holds other token ids than its prompt's", file=sys.stderr)
+            return 1
+    # `vllm-gdn-hs check DIR --reference MODEL --layer-ids ...` on every file, every token
+    return run_spot_check(storage, paths, model, LAYERS, len(paths), max(PROMPT_LENS), "cuda")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from vllm_gdn_hs import model_support
 from vllm_gdn_hs.cli import model_info, serve_args
-from vllm_gdn_hs.cli.backends import BACKENDS, FileLaunch
+from vllm_gdn_hs.cli.backends import BACKENDS
 from vllm_gdn_hs.cli.serve_args import LaunchError, warn
 from vllm_gdn_hs.config import config_from, speculative_config
 from vllm_gdn_hs.layer_ids import default_layer_ids, target_layer_ids, validate_layer_ids
@@ -45,7 +45,7 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
     parser.add_argument(
         "--hidden-states-backend",
         default="file",
-        metavar="{" + ",".join(BACKENDS) + "}",
+        choices=BACKENDS,
         help="Hidden states transfer backend. Each backend may add its own CLI arguments. "
         "Default: 'file'.",
     )
@@ -158,18 +158,9 @@ class LaunchPlan:
     env: dict[str, str]
 
 
-def backend_of(args: argparse.Namespace) -> type[FileLaunch]:
-    if (backend := BACKENDS.get(args.hidden_states_backend)) is None:
-        raise LaunchError(
-            f"--hidden-states-backend {args.hidden_states_backend!r} is not available: "
-            f"vllm-gdn-hs ships {', '.join(repr(b) for b in BACKENDS)}"
-        )
-    return backend
-
-
 def build_plan(args: argparse.Namespace, info: model_info.ModelInfo | None = None) -> LaunchPlan:
     """The plan, from the arguments and the model's config alone (:func:`preflight` probes)."""
-    backend = backend_of(args)
+    backend = BACKENDS[args.hidden_states_backend]
     info = info or model_info.read_model_info(args.model, trust_remote_code=args.trust_remote_code)
     if why := model_support.aux_outputs_problem(info.architectures):
         raise LaunchError(why)
@@ -214,7 +205,7 @@ def preflight(args: argparse.Namespace) -> None:
             + (f" (CUDA_VISIBLE_DEVICES={cuda!r})" if cuda is not None else "")
             + ": vllm serve needs one; run on a GPU machine, or add --dry-run to print the command"
         )
-    backend_of(args).check_storage(args)
+    BACKENDS[args.hidden_states_backend].check_storage(args)
 
 
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:

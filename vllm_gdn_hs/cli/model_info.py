@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -187,8 +188,6 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
 
 def layer_ids_arg(text: str) -> list[int]:
     """An argparse ``type`` (``nargs="+"``, then :func:`flat`): ``1,16,31`` or ``1 16 31``."""
-    import argparse
-
     try:
         return [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
