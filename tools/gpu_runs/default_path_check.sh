@@ -11,7 +11,8 @@
 #               FlashInfer's GDN kernel for its widths, ~2 min)                     (~7 min)
 #   3 shutdown  SIGTERM, and SIGTERM then SIGINT, with 64 requests in flight, through the
 #               launcher and through plain `vllm serve` (tests/gpu/test_gpu_shutdown.py) (~7 min)
-#   4 families  every model family against HF (tests/gpu/test_gpu_families.py)       (~5 min)
+#   4 families  every model family against HF (tests/gpu/test_gpu_families.py), then the
+#               demo                                                               (~7 min)
 #   5 e2e       samples/s through `vllm serve`: plain and the file backend, chat, the 4b shape
 #               (the writer's bytes at the highest rate) -> e2e.json                 (~4 min)
 #   6 memory    CUDA-graph memory and peak within one block of plain's (tests/gpu/test_gpu_memory.py)
@@ -41,7 +42,7 @@ suite() {  # a name, a time limit, then pytest node ids
     local name=$1 limit=$2
     shift 2
     log "$name start"
-    SITE=/tmp/site INSTALL=0 BASETEMP=/tmp/pytest-suite-$name RUN_DEMO=0 SUITE_TIMEOUT=$limit OUT="$R/$name" \
+    SITE=/tmp/site INSTALL=0 BASETEMP=/tmp/pytest-suite-$name RUN_DEMO=${RUN_DEMO:-0} SUITE_TIMEOUT=$limit OUT="$R/$name" \
         bash tools/gpu_runs/run_gpu_suite.sh "$@" >"$R/logs/$name.txt" 2>&1
     log "$name end: $(grep -E "^pytest exit" "$R/$name/env.txt" 2>/dev/null)"
 }
@@ -60,7 +61,8 @@ step() {
         tests/gpu/test_gpu_extract.py::test_hybrid_cudagraph ;;
     3) suite shutdown 600 \
         tests/gpu/test_gpu_shutdown.py::test_sigterm_with_requests_running_answers_each_with_file_or_reason ;;
-    4) [ -f tests/gpu/test_gpu_families.py ] && suite families 420 tests/gpu/test_gpu_families.py ;;
+    # then `vllm-gdn-hs demo` (its files through check's bar), while the others still run
+    4) RUN_DEMO=1 suite families 420 tests/gpu/test_gpu_families.py ;;
     5)
         log "e2e start"
         python3 benchmarks/e2e.py --shape 4b --backends plain,file --workload chat \
