@@ -36,16 +36,10 @@ def serve_flags() -> frozenset[str]:
 
 
 def _spellings(flag: str) -> set[str]:
-    """The declared names a flag may come from: vLLM adds ``--no-x`` for boolean ``--x``, and
-    ``--enable-x``/``--disable-x`` for each other."""
-    names = {flag}
-    if flag.startswith("--no-"):
-        names.add("--" + flag[len("--no-") :])
-    if flag.startswith("--disable-"):
-        names |= {"--enable-" + flag[len("--disable-") :], "--" + flag[len("--disable-") :]}
-    if flag.startswith("--enable-"):
-        names.add("--disable-" + flag[len("--enable-") :])
-    return names
+    """The declared names a flag may come from: vLLM adds ``--no-x`` for a boolean ``--x``, and
+    ``--enable-x`` and ``--disable-x`` for each other."""
+    base = re.sub(r"^--(no-|enable-|disable-)", "--", flag)
+    return {flag, base, base.replace("--", "--enable-", 1), base.replace("--", "--disable-", 1)}
 
 
 def misspelled(flags: list[str]) -> str | None:
