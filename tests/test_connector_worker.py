@@ -478,13 +478,13 @@ def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
     monkeypatch.setattr(request_rows.RequestRows, "put", held_put)
     caplog.set_level(logging.INFO, logger=LOGGER)
     w = make_writer(storage, host_buffers=1)
-    real_wait = w.ring.wait_for_room
+    real_wait = w.ring.room.wait
 
-    def wait():
+    def wait(timeout=None):  # the engine thread, holding the ring's lock, waits for room
         engine_waiting.release()
-        return real_wait()
+        return real_wait(timeout)
 
-    w.ring.wait_for_room = wait
+    w.ring.room.wait = wait
     n = w.ring.capacity  # 128 rows
     data = {r: rows(n) for r in ("a", "b", "c")}
     new(w, storage, **dict.fromkeys(data, n))
