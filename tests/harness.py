@@ -158,11 +158,11 @@ class V1Runner:
     def __init__(self, connector, vllm_config):
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        from vllm_gdn_hs.patch import patch_worker_gpu_model_runner
+        from vllm_gdn_hs.patch.extraction import set_up_extraction  # the patched __init__'s
 
         self.connector, self.vllm_config = connector, vllm_config
         self.runner = object.__new__(GPUModelRunner)
-        patch_worker_gpu_model_runner.set_up_extraction(self.runner, vllm_config)
+        set_up_extraction(self.runner, vllm_config)
 
     def step(self, scheduler_output, sched, aux, pad=0):
         """One step: ``sched`` as for :func:`v2_input_batch`; ``aux`` the model's aux hidden
@@ -201,13 +201,14 @@ class V2Runner:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
         from vllm_gdn_hs.patch import patch_worker_gpu_model_runner_v2
+        from vllm_gdn_hs.patch.extraction import set_up_extraction  # the patched __init__'s
 
         self.patch = patch_worker_gpu_model_runner_v2
         self.connector = connector
         with self.agent():
             self.kv = ActiveKVConnector(vllm_config, {})
         self.runner = object.__new__(GPUModelRunner)
-        self.patch.set_up_extraction(self.runner, vllm_config)
+        set_up_extraction(self.runner, vllm_config)
 
     @contextlib.contextmanager
     def agent(self):

@@ -478,13 +478,13 @@ def test_engine_wait_for_host_buffers_warned_once_with_the_side_behind(
     monkeypatch.setattr(request_rows.RequestRows, "put", held_put)
     caplog.set_level(logging.INFO, logger=LOGGER)
     w = make_writer(storage, host_buffers=1)
-    real_wait = w.ring.wait_for_room
+    real_wait = w.ring.room.wait
 
-    def wait():
+    def wait(timeout=None):  # the engine thread, holding the ring's lock, waits for room
         engine_waiting.release()
-        return real_wait()
+        return real_wait(timeout)
 
-    w.ring.wait_for_room = wait
+    w.ring.room.wait = wait
     n = w.ring.capacity  # 128 rows
     data = {r: rows(n) for r in ("a", "b", "c")}
     new(w, storage, **dict.fromkeys(data, n))
@@ -677,19 +677,19 @@ def test_write_file_failure_keeps_old_file_and_no_temp(tmp_path, monkeypatch):
     path = str(tmp_path / "f.safetensors")
     old = rows(2)
     write_file(path, old, torch.arange(2))
-    real_raw_bytes = files.safetensors_io.raw_bytes
+    real_raw_bytes = files.raw_bytes
 
     def disk_full_after_the_header(t):  # the header went out; then the disk is full
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(files.safetensors_io, "raw_bytes", disk_full_after_the_header)
+    monkeypatch.setattr(files, "raw_bytes", disk_full_after_the_header)
     with pytest.raises(OSError) as e:
         write_file(path, rows(3), torch.arange(3))
     assert e.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == ["f.safetensors"]
     assert torch.equal(load_file(path)["hidden_states"], old)
 
-    monkeypatch.setattr(files.safetensors_io, "raw_bytes", real_raw_bytes)
+    monkeypatch.setattr(files, "raw_bytes", real_raw_bytes)
     monkeypatch.setattr(
         files.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "I/O"))
     )

@@ -282,8 +282,8 @@ def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog, cop
     eng.until_finished("read", "unread")
     assert_sample(eng, "read", transfer.get_generated(eng.params("read")))
     transfer.delete(eng.params("read")["handle"])  # as the trainer does, once it has read it
-    deadline = time.monotonic() + 30
-    while (left := eng.store().unread()) != [eng.params("unread")["handle"]]:  # "read" forgotten
+    deadline, unread = time.monotonic() + 30, eng.params("unread")
+    while (left := eng.store().unread_objects.unread()) != [unread["handle"]]:  # "read" forgotten
         assert time.monotonic() < deadline, f"still unread: {left}"
         time.sleep(0.05)
 
@@ -299,7 +299,6 @@ def test_master_killed_and_restarted(hybrid_model, master, tmp_path, caplog, cop
             time.sleep(0.05)
         assert_sample(eng, "during", read_back(transfer, eng.params("during")))
     line = next(r.getMessage() for r in caplog.records if "lost its objects" in r.getMessage())
-    unread = eng.params("unread")
     if copies:
         assert ": 1 put again from this server's copies, 0 lost" in line
         assert_sample(eng, "unread", read_back(transfer, unread))
@@ -439,7 +438,7 @@ def test_a_reader_that_never_comes(hybrid_model, master, tmp_path, caplog):
     line = next(r.getMessage() for r in caplog.records if "store is full" in r.getMessage())
     assert "check that a trainer reads from " + master.address in line
     assert engine.is_alive()  # held back by the full store
-    unread = store.unread()
+    unread = store.unread_objects.unread()
     assert 0 < len(unread) < len(rids)  # the store holds what fits, nothing was evicted
     assert worker.writer.backlog_bytes <= BACKLOG * 1e9 + sample_bytes(eng)
 

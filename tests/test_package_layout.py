@@ -168,7 +168,6 @@ ROOT = {
     "locks": "the files' .lock protocol, the writer's and the reader's",
     "probes": "whether a folder can hold the files",
     "rows": "the checks of a file's rows",
-    "safetensors_io": "the file writer",
     "hook": "the seam between the runner patches and the connector",
 }
 

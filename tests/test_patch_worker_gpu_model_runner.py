@@ -40,7 +40,12 @@ from vllm_gdn_hs.connector.metadata import (  # noqa: E402
     NewRequest,
 )
 from vllm_gdn_hs.patch import patch_worker_gpu_model_runner as patch_mod  # noqa: E402
-from vllm_gdn_hs.patch.extraction import RUNNER_ATTR, Extraction, layer_order  # noqa: E402
+from vllm_gdn_hs.patch.extraction import (  # noqa: E402
+    RUNNER_ATTR,
+    Extraction,
+    init_and_profile_run,
+    layer_order,
+)
 
 
 def _ours(layer_ids) -> Extraction:
@@ -80,14 +85,15 @@ def test_profile_run_allocates_the_largest_steps_hand_over(hybrid_model):
         handed.append(tuple(hidden_states.shape))
         real(vllm_config, hidden_states)  # the connector's own GPU work, here on CPU
 
-    with (
-        mock.patch.object(patch_mod, "_orig_profile_run", dummy_forward),
-        mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy),
-    ):
+    # The patch's profile_run around vLLM's own, here the edge's dummy forward.
+    vllm_runner = type("GPUModelRunner", (), {"profile_run": dummy_forward})
+    profile_run = init_and_profile_run(vllm_runner)["profile_run"]
+    assert profile_run.__code__ is GPUModelRunner.profile_run.__code__  # what the patch installs
+    with mock.patch.object(HybridHiddenStatesConnector, "profile_save_hidden_states", spy):
         setattr(runner, RUNNER_ATTR, _ours([8, 1, 4]))
-        GPUModelRunner.profile_run(runner, randomize_inputs=False)  # 0.33.0's keyword
+        profile_run(runner, randomize_inputs=False)  # 0.33.0's keyword
         setattr(runner, RUNNER_ATTR, None)  # another connector, or none
-        GPUModelRunner.profile_run(runner)
+        profile_run(runner)
     assert forwards == [{"randomize_inputs": False}, {}]
     assert handed == [(tokens, 3, hidden)]  # the largest step, once, after the forward
 

@@ -47,7 +47,14 @@ if runs_model_runner_v2():
         NewRequest,
     )
     from vllm_gdn_hs.patch import patch_worker_gpu_model_runner_v2 as patch_mod
-    from vllm_gdn_hs.patch.extraction import RUNNER_ATTR, Extraction, extraction, layer_order
+    from vllm_gdn_hs.patch.extraction import (
+        RUNNER_ATTR,
+        Extraction,
+        extraction,
+        init_and_profile_run,
+        layer_order,
+        set_up_extraction,
+    )
 
 
 def _ours(layer_ids) -> Extraction:
@@ -130,7 +137,7 @@ def _runner(cfg, model):
     runner.vllm_config, runner.model_config = cfg, cfg.model_config
     runner.device = torch.device("cpu")
     runner.max_num_tokens = cfg.scheduler_config.max_num_batched_tokens
-    patch_mod.set_up_extraction(runner, cfg)
+    set_up_extraction(runner, cfg)
     load = lambda self: setattr(self, "model", model)  # noqa: E731
     with mock.patch.object(patch_mod, "_orig_load_model", load):
         GPUModelRunner.load_model(runner)
@@ -175,11 +182,12 @@ def test_profile_run_peak_covers_a_real_steps_hand_over(hybrid_model, tmp_path, 
         _kept(runner).sink = None
     stacked = 16 if sink else runner.max_num_tokens
     hidden = cfg.model_config.get_hidden_size()
-    with (
-        mock.patch.object(patch_mod, "_orig_profile_run", lambda self, **kw: None),
-        LiveBytes() as profiled,
-    ):
-        GPUModelRunner.profile_run(runner)
+    # The patch's profile_run around vLLM's own, here the edge: no forward pass on a GPU.
+    vllm_runner = type("GPUModelRunner", (), {"profile_run": lambda self, **kw: None})
+    profile_run = init_and_profile_run(vllm_runner)["profile_run"]
+    assert profile_run.__code__ is GPUModelRunner.profile_run.__code__  # what the patch installs
+    with LiveBytes() as profiled:
+        profile_run(runner)
     conn = _connector(cfg)
     saved, kv_transfer_state._KV_CONNECTOR_AGENT = kv_transfer_state._KV_CONNECTOR_AGENT, conn
     batch = harness.v2_input_batch([("a", 0, stacked)], torch.arange(stacked))
@@ -291,7 +299,7 @@ def test_execute_model_streams_rows_to_the_connector(hybrid_model, tmp_path):
         try:
             v2_connector = ActiveKVConnector(cfg, {})  # vLLM's own, around the runner
             runner = object.__new__(GPUModelRunner)
-            patch_mod.set_up_extraction(runner, cfg)  # what the patched __init__ adds
+            set_up_extraction(runner, cfg)  # what the patched __init__ adds
             assert _kept(runner).layer_ids == list(layer_ids)
 
             def step(meta, sched, pad=3, dummy_run=False):

@@ -15,7 +15,6 @@ import stat
 import struct
 import threading
 
-from vllm_gdn_hs import safetensors_io
 from vllm_gdn_hs.locks import make_folder_again, wait_for_file
 
 SUFFIX = ".safetensors"
@@ -87,18 +86,56 @@ def load_hidden_states(path: str, timeout: float = 10.0) -> dict:
 
 
 # -- the write ---------------------------------------------------------------------------
+_SAFETENSORS_DTYPES = {
+    "torch.bfloat16": "BF16",
+    "torch.float16": "F16",
+    "torch.float32": "F32",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+}
+
+
+def safetensors_header(tensors: dict) -> tuple[bytes, list]:
+    """The header bytes of a safetensors file holding ``tensors``, and the tensors in the order
+    safetensors puts their data (by alignment, then name)."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    meta, offset = {}, 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        dtype = _SAFETENSORS_DTYPES[str(t.dtype)]
+        meta[name] = dict(dtype=dtype, shape=list(t.shape), data_offsets=[offset, offset + size])
+        offset += size
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, [tensors[k] for k in order]
+
+
+def raw_bytes(t) -> memoryview:
+    """A CPU tensor's bytes, without a copy where it is contiguous."""
+    import torch
+
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def write_file(path, hidden_states, token_ids, scales=None) -> None:
     """Write atomically (temp file, rename) with the umask's mode, making a missing folder
-    again; ``scales`` [T, 1, 1]: an fp8 file. Written by :mod:`.safetensors_io`, without copies."""
+    again; ``scales`` [T, 1, 1]: an fp8 file. Each tensor is written from its own memory
+    (safetensors' ``save_file`` first copies each into a bytes object, holding the GIL the
+    engine thread shares)."""
     tensors = {"hidden_states": hidden_states, "token_ids": token_ids}
     if scales is not None:
         tensors[SCALES] = scales
+    header, order = safetensors_header(tensors)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         if not os.path.isdir(os.path.dirname(path)):
             make_folder_again(os.path.dirname(path))
         with open(tmp, "wb") as f:
-            safetensors_io.write(f, tensors)
+            f.write(header)
+            for t in order:
+                f.write(raw_bytes(t))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

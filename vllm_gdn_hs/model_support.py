@@ -110,8 +110,6 @@ def _has_interface(module: str, name: str, seen: set[tuple[str, str]]) -> bool |
             for alias in node.names:
                 if (alias.asname or alias.name) == name:
                     source = _resolve(module, node.module, node.level)
-                    if alias.name == AUX_INTERFACE:
-                        return True
                     return _has_interface(source, alias.name, seen)
     return False  # a name bound some other way (object, nn.Module, a Protocol of typing)
 

@@ -16,7 +16,7 @@ from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
 from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
 from vllm_gdn_hs.connector.stats import StatsBook, failed
-from vllm_gdn_hs.connector.writer import WriteJob, Writer
+from vllm_gdn_hs.connector.writer import WriteJob, Writer, next_task
 from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
@@ -98,13 +98,7 @@ class Drain:
     @torch.inference_mode()  # host buffers are made on the engine thread, in inference mode
     def _run(self) -> None:
         try:
-            while True:
-                try:
-                    task = self.tasks.get(timeout=0.5)
-                except queue.Empty:
-                    if not threading.main_thread().is_alive():
-                        return  # the process is ending without close(): the queue is done
-                    continue
+            while (task := next_task(self.tasks)) is not None:
                 try:
                     match task:
                         case StepRows():
@@ -113,8 +107,6 @@ class Drain:
                             self._on_finish(task)
                         case threading.Event():
                             task.set()
-                        case None:
-                            return
                 except Exception:
                     name = type(task).__name__
                     logger.exception("hidden-state drain task %s failed", name)

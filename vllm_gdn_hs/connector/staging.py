@@ -52,7 +52,13 @@ class HostSlot:
         return self.start + self.positions.shape[0]
 
     def release(self) -> None:
-        self.ring.release(self)
+        """Give the rows back to the ring, which frees them once every older slot is back."""
+        ring = self.ring
+        with ring.room:
+            self.released = True
+            while ring.live and ring.live[0].released:
+                ring.live.popleft()
+            ring.room.notify_all()
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
         """Start copying a layer's rows [tokens, H] into their column (the caller may drop them)."""
@@ -154,7 +160,7 @@ class HostRing:
         with self.room:
             began, waited = time.monotonic(), 0.0
             while (start := self._fit(num_tokens)) is None:
-                self.wait_for_room()
+                self.room.wait()
                 waited = time.monotonic() - began
             span = slice(start, start + num_tokens)
             done = torch.cuda.Event() if self.stream is not None else None
@@ -163,16 +169,6 @@ class HostRing:
             )
             self.live.append(slot)
         return slot, waited
-
-    def wait_for_room(self) -> None:  # holding room
-        self.room.wait()
-
-    def release(self, slot: HostSlot) -> None:
-        with self.room:
-            slot.released = True
-            while self.live and self.live[0].released:
-                self.live.popleft()
-            self.room.notify_all()
 
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor

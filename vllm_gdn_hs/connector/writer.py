@@ -23,7 +23,18 @@ from vllm_gdn_hs.rows import check_norms
 from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
-POLL_S = 0.5  # how often an idle write thread looks whether the process is ending
+POLL_S = 0.5  # how often an idle drain or write thread looks whether the process ends
+
+
+def next_task(tasks: queue.Queue, done: Callable[[], bool] = lambda: True):
+    """The next item of ``tasks``, waited for; None also once the process ends without
+    close() (its main thread gone) and ``done()`` says that nothing more will be queued."""
+    while True:
+        try:
+            return tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            if not threading.main_thread().is_alive() and done():
+                return None
 
 
 @dataclass(eq=False)  # by identity: the set of running writes holds them
@@ -100,15 +111,7 @@ class Writer:
 
     # -- write threads ----------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            try:
-                job = self.jobs.get(timeout=POLL_S)
-            except queue.Empty:
-                if not threading.main_thread().is_alive() and self.producer_done.is_set():
-                    return  # the process ends without close(), and the queue is done
-                continue
-            if job is None:
-                return
+        while (job := next_task(self.jobs, self.producer_done.is_set)) is not None:
             with self.cond:
                 late = self._late()
                 if not late:

@@ -41,18 +41,16 @@ class Patch:
 
     target: type
     attrs: dict
-    applied: bool = False
 
     def apply(self) -> None:
         logger = init_logger(__name__)
-        if self.applied or getattr(self.target, "_vllm_gdn_hs_patched", False):
+        if getattr(self.target, "_vllm_gdn_hs_patched", False):  # by this Patch or another
             raise RuntimeError(f"{self.target.__qualname__} is already patched")
         for name, value in self.attrs.items():
             verb = "replaced" if hasattr(self.target, name) else "added"
             setattr(self.target, name, value)
             logger.debug("%s %s.%s", verb, self.target.__qualname__, name)
         self.target._vllm_gdn_hs_patched = True  # type: ignore[attr-defined]
-        self.applied = True
 
 
 def require(what, *names: str) -> None:

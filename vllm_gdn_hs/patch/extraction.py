@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -63,6 +63,23 @@ def set_up_extraction(self, vllm_config) -> None:
         ours = Extraction(ids, layer_order(ids), hidden_states_connector_class(vllm_config))
         self.use_aux_hidden_state_outputs = True
     setattr(self, RUNNER_ATTR, ours)
+
+
+def init_and_profile_run(runner: Any) -> dict:
+    """Both runners' ``__init__`` and ``profile_run``, wrapping ``runner``'s: after vLLM's
+    ``__init__``, :func:`set_up_extraction`; after its ``profile_run``, :func:`profile_step`."""
+    orig_init, orig_profile_run = runner.__init__, runner.profile_run
+
+    def __init__(self, vllm_config, device) -> None:
+        orig_init(self, vllm_config, device)
+        set_up_extraction(self, vllm_config)
+
+    def profile_run(self, *args, **kwargs) -> None:
+        orig_profile_run(self, *args, **kwargs)
+        if extraction(self) is not None:
+            profile_step(self)
+
+    return {"__init__": __init__, "profile_run": profile_run}
 
 
 def profile_step(self) -> None:

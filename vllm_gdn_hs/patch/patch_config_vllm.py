@@ -92,10 +92,10 @@ def __post_init__(self: VllmConfig) -> None:
         from vllm_gdn_hs.patch.shutdown import set_window
 
         set_window(self)  # the engine core's time to drain at SIGINT/SIGTERM
-    if is_ours(kv) and self.model_config is not None:
-        from vllm_gdn_hs.connector.checks import validate_vllm_config  # the connector: lazily
+        if self.model_config is not None:
+            from vllm_gdn_hs.connector.checks import validate_vllm_config  # the connector: lazily
 
-        validate_vllm_config(self)  # fail now, not after the model is loaded
+            validate_vllm_config(self)  # fail now, not after the model is loaded
 
 
 def _get_v2_model_runner_unsupported_features(self: VllmConfig) -> list[str]:

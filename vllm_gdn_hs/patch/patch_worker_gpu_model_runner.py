@@ -28,26 +28,13 @@ import inspect
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gdn_hs.patch import Patch
-from vllm_gdn_hs.patch.extraction import extraction, hand_over, profile_step, set_up_extraction
+from vllm_gdn_hs.patch.extraction import extraction, hand_over, init_and_profile_run
 
-_orig_init = GPUModelRunner.__init__
 _orig_aux_layers = GPUModelRunner._get_eagle3_aux_layers_from_config
 _orig_model_forward = GPUModelRunner._model_forward
-_orig_profile_run = GPUModelRunner.profile_run
 _orig_batch_execution = GPUModelRunner._determine_batch_execution_and_padding
 _BATCH_EXECUTION_ARGS = inspect.signature(_orig_batch_execution)
 _MODEL_FORWARD_ARGS = inspect.signature(_orig_model_forward)
-
-
-def __init__(self, vllm_config, device) -> None:
-    _orig_init(self, vllm_config, device)
-    set_up_extraction(self, vllm_config)
-
-
-def profile_run(self, *args, **kwargs) -> None:
-    _orig_profile_run(self, *args, **kwargs)
-    if extraction(self) is not None:
-        profile_step(self)
 
 
 def _get_eagle3_aux_layers_from_config(self):
@@ -94,8 +81,7 @@ def starts_a_prompt_in_one_token_steps(self, num_reqs: int, max_num_scheduled_to
 PATCH = Patch(
     GPUModelRunner,
     {
-        "__init__": __init__,
-        "profile_run": profile_run,
+        **init_and_profile_run(GPUModelRunner),
         "_get_eagle3_aux_layers_from_config": _get_eagle3_aux_layers_from_config,
         "_model_forward": _model_forward,
         "_determine_batch_execution_and_padding": _determine_batch_execution_and_padding,

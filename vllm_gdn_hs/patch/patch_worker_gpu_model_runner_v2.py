@@ -38,26 +38,18 @@ from vllm_gdn_hs.patch.extraction import (
     extraction,
     graph_aux_buffers,
     hand_over,
+    init_and_profile_run,
     install_sink,
-    profile_step,
-    set_up_extraction,
     sink_open,
 )
 
-_orig_init = GPUModelRunner.__init__
 _orig_load_model = GPUModelRunner.load_model
-_orig_profile_run = GPUModelRunner.profile_run
 _orig_execute_model = GPUModelRunner.execute_model
 _orig_capture_model = GPUModelRunner.capture_model
 _EXECUTE_MODEL_ARGS = inspect.signature(_orig_execute_model)
 require(_orig_execute_model, "scheduler_output", "dummy_run")
 require(ExecuteModelState, "input_batch", "aux_hidden_states")
 require(InputBatch, "req_ids", "num_reqs", "query_start_loc_np", "positions")
-
-
-def __init__(self, vllm_config, device) -> None:
-    _orig_init(self, vllm_config, device)
-    set_up_extraction(self, vllm_config)
 
 
 def load_model(self, *args, **kwargs) -> None:
@@ -76,12 +68,6 @@ def load_model(self, *args, **kwargs) -> None:
         )
     self.model.set_aux_hidden_state_layers(tuple(ours.layer_ids))
     install_sink(self)
-
-
-def profile_run(self, *args, **kwargs) -> None:
-    _orig_profile_run(self, *args, **kwargs)
-    if extraction(self) is not None:
-        profile_step(self)
 
 
 def capture_model(self, *args, **kwargs):
@@ -129,9 +115,8 @@ def save_step(self, state) -> None:
 PATCH = Patch(
     GPUModelRunner,
     {
-        "__init__": __init__,
+        **init_and_profile_run(GPUModelRunner),
         "load_model": load_model,
-        "profile_run": profile_run,
         "execute_model": execute_model,
         "capture_model": capture_model,
     },

@@ -70,12 +70,13 @@ class FileStorage(HiddenStatesStorage):
         scales: torch.Tensor | None,
     ) -> None:
         request.begin_write()
+        written = False
         try:
             files.write_file(request.path, hidden_states, token_ids, scales)
-        except BaseException:
-            self._release(request, remove=True)
-            raise
-        self._release(request, remove=False)
+            written = True
+        finally:  # a failed write's lock goes too (unless abandon took it), so its reader fails
+            with request.mutex:
+                self._release_locked(request, not written and request.state != "abandoned")
 
     def abandon(self, request: StoredRequest, why: str = "") -> None:
         with request.mutex:
@@ -86,10 +87,6 @@ class FileStorage(HiddenStatesStorage):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(request.path + locks.LOCK_SUFFIX)
                 request.state = "abandoned"
-
-    def _release(self, request: StoredRequest, remove: bool) -> None:
-        with request.mutex:
-            self._release_locked(request, remove and request.state != "abandoned")
 
     @staticmethod
     def _release_locked(request: StoredRequest, remove: bool) -> None:

@@ -187,7 +187,7 @@ class MooncakeStore:
             self.last_full_log = now
             waiting = self.waiting_full
             mean = self.stats["bytes"] / max(self.stats["objects"], 1)
-        unread = len(self.unread())
+        unread = len(self.unread_objects.unread())
         logger.warning(
             "the Mooncake store is full: %d writes waiting (the longest %.0f s), %d objects "
             "(%.2f GB) put by this server not read yet. Objects are hard-pinned and stay until "
@@ -201,18 +201,13 @@ class MooncakeStore:
             self.options.master_server_address,
         )
 
-    def unread(self) -> list[str]:
-        return self.unread_objects.unread()
-
     def write_error(self, key: str, why: str) -> None:
         """Put ``key:error`` (``{"error": why}``), so its reader fails at once: queued, and
         retried for ``error_retry_s`` (through a master restart)."""
         self.errors.put((key + ERROR_SUFFIX, why, time.monotonic() + self.error_retry_s))
 
     def _error_loop(self) -> None:
-        while True:
-            if (item := self.errors.get()) is None:
-                return
+        while (item := self.errors.get()) is not None:
             key, why, deadline = item
             data = json.dumps({"error": why[:4096]}).encode()
             copy = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -253,7 +248,7 @@ class MooncakeStore:
         self.error_thread.join(timeout=self.close_grace_s)
         unread = self._wait_for_readers(readers_until)
         removed = 0
-        for key in self.unread():
+        for key in self.unread_objects.unread():
             with contextlib.suppress(Exception):
                 removed += self.client.remove(key, True) == 0
         with contextlib.suppress(Exception):
@@ -286,7 +281,7 @@ class MooncakeStore:
 
     def _wait_for_readers(self, until: float | None) -> int:
         """How many objects (error objects aside) no reader took by ``until``."""
-        waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
+        waiting = [k for k in self.unread_objects.unread() if not k.endswith(ERROR_SUFFIX)]
         if waiting and until is not None and until > time.monotonic():
             logger.info(
                 "waiting up to %.0f s for trainers to read the %d objects still in the "
@@ -296,7 +291,7 @@ class MooncakeStore:
             )
             while waiting and time.monotonic() < until:
                 time.sleep(min(0.2, max(until - time.monotonic(), 0)))
-                waiting = [k for k in self.unread() if not k.endswith(ERROR_SUFFIX)]
+                waiting = [k for k in self.unread_objects.unread() if not k.endswith(ERROR_SUFFIX)]
         return len(waiting)
 
     @staticmethod
