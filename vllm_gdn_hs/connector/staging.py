@@ -53,12 +53,7 @@ class HostSlot:
 
     def release(self) -> None:
         """Give the rows back to the ring, which frees them once every older slot is back."""
-        ring = self.ring
-        with ring.room:
-            self.released = True
-            while ring.live and ring.live[0].released:
-                ring.live.popleft()
-            ring.room.notify_all()
+        self.ring.release(self)
 
     def fill_layer(self, column: int, rows: torch.Tensor) -> None:
         """Start copying a layer's rows [tokens, H] into their column (the caller may drop them)."""
@@ -169,6 +164,13 @@ class HostRing:
             )
             self.live.append(slot)
         return slot, waited
+
+    def release(self, slot: HostSlot) -> None:
+        with self.room:
+            slot.released = True
+            while self.live and self.live[0].released:
+                self.live.popleft()
+            self.room.notify_all()
 
     def copy_out(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
