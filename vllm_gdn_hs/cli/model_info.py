@@ -85,36 +85,29 @@ def cached_model_folder(model: str) -> str | None:
         return None
 
 
-def _probe_hub(model: str) -> None:
-    """One request, no retries (downloads retry for 20 s): ModelConfigError at once unless the
-    hub serves ``model``."""
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+def _hub_config_path(model: str) -> str:
+    """config.json of a hub id: the local cache's, else downloaded after one probe. The probe is
+    one request, no retries (downloads retry for 20 s): a hub without ``model`` fails at once."""
+    folder = cached_model_folder(model)
+    if folder and os.path.isfile(os.path.join(folder, "config.json")):
+        return os.path.join(folder, "config.json")
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
 
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
     try:
-        if constants.HF_HUB_OFFLINE:
-            why = "HF_HUB_OFFLINE is set"
-        else:  # retry_on_errors is False by default
+        if not why:  # retry_on_errors is False by default
             get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=HUB_PROBE_TIMEOUT_S)
-            return
     except Exception as e:
         why = (
             f"the hub answered {str(e).splitlines()[0]}"
             if getattr(e, "response", None) is not None
             else f"cannot reach the HF hub at {constants.ENDPOINT} ({type(e).__name__})"
         )
-    raise ModelConfigError(
-        f"{model!r} is no local folder and not in the local HF cache, and {why}: {hub_fix(model)}"
-    )
-
-
-def _hub_config_path(model: str) -> str:
-    """config.json of a hub id: the local cache's, else downloaded after one probe."""
-    folder = cached_model_folder(model)
-    if folder and os.path.isfile(os.path.join(folder, "config.json")):
-        return os.path.join(folder, "config.json")
-    _probe_hub(model)
-    from huggingface_hub import hf_hub_download
-
+    if why:
+        raise ModelConfigError(
+            f"{model!r} is no local folder and not in the local HF cache, and {why}: "
+            f"{hub_fix(model)}"
+        )
     try:
         return hf_hub_download(model, "config.json")
     except Exception as e:
@@ -122,14 +115,6 @@ def _hub_config_path(model: str) -> str:
             f"cannot download the config of {model!r} ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}): {hub_fix(model)}"
         ) from None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelConfigError(f"cannot read {path}: {e}") from None
 
 
 def _load_config_dict(model: str) -> dict:
@@ -144,15 +129,20 @@ def _load_config_dict(model: str) -> dict:
                     f"MODEL {model}` for {', '.join(PACKAGED_CONFIGS)}"
                 )
             raise ModelConfigError(f"{model} has no config.json: is it a HF model folder?")
-        return _read_json(path)
-    if os.path.exists(model):
+    elif os.path.exists(model):
         raise ModelConfigError(f"{model} is not a folder: pass the model folder or a HF model id")
-    if model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
+    elif model.startswith(("/", "./", "../", "~")) or model in (".", ".."):
         raise ModelConfigError(
             f"model folder {model} does not exist: pass a HF model folder or a hub id such as "
             "Qwen/Qwen3.6-27B"
         )
-    return _read_json(_hub_config_path(model))
+    else:
+        path = _hub_config_path(model)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"cannot read {path}: {e}") from None
 
 
 def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
@@ -168,11 +158,10 @@ def read_model_info(model: str, trust_remote_code: bool = False) -> ModelInfo:
             f"{model}: config has no num_hidden_layers/hidden_size (also looked in text_config)"
         ) from None
     interval = text.get("full_attention_interval") or 1  # Qwen3-Next: every interval-th layer
-    pattern = text.get("hybrid_override_pattern") or ""
     layer_types = (
         text.get("layer_types")
         or text.get("layers_block_type")
-        or [_PATTERN.get(c, c) for c in pattern]
+        or [_PATTERN.get(c, c) for c in text.get("hybrid_override_pattern") or ""]
         or ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
     )
     return ModelInfo(
@@ -198,7 +187,6 @@ def layer_ids_arg(text: str) -> list[int]:
 
 
 def flat(lists: list[list[int]] | None) -> list[int] | None:
-    """One list of ids from what ``nargs="+"`` with :func:`layer_ids_arg` collects."""
     return None if lists is None else [i for ids in lists for i in ids]
 
 
