@@ -23,19 +23,15 @@ from vllm_gdn_hs.layer_ids import default_layer_ids, target_layer_ids, validate_
 from vllm_gdn_hs.patch import runtime_patches
 from vllm_gdn_hs.version import ALLOW_UNTESTED, UnsupportedVllmError, check_vllm, is_untested
 
-_USAGE = (
-    "%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
-    "[--target-layer-ids ID [ID ...]] [--include-last-layer | --no-include-last-layer] "
-    "[--dry-run] [--trust-remote-code] -- VLLM_ARGS..."
-)
-
 
 def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse.ArgumentParser:
     """The launcher's options; ``mooncake=False`` leaves out the ``--mooncake-*`` ones, whose
     definitions (hs-connectors') import torch: seconds that ``--help`` need not wait."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        usage=_USAGE,
+        usage="%(prog)s [-h] MODEL [--hidden-states-backend BACKEND] [--hidden-states-path DIR] "
+        "[--target-layer-ids ID [ID ...]] [--include-last-layer | --no-include-last-layer] "
+        "[--dry-run] [--trust-remote-code] -- VLLM_ARGS...",
         description="Launch vLLM for hidden states extraction (GDN hybrid and dense models). "
         "Everything after '--' goes to vllm serve unchanged."
         + ("" if mooncake else f" The mooncake backends' options: {prog} MODEL "
@@ -115,9 +111,8 @@ def unknown_options(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
 
 def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
     """speculators' rule: defaults, or the user's ids plus the last layer; checked, then warned."""
-    n = num_hidden_layers
-    ids = target_layer_ids(args.target_layer_ids, n, args.include_last_layer)
-    ids = validate_layer_ids(ids, n)  # a ValueError, as LaunchError: main prints it
+    ids = target_layer_ids(args.target_layer_ids, num_hidden_layers, args.include_last_layer)
+    ids = validate_layer_ids(ids, num_hidden_layers)  # a ValueError, as LaunchError: main prints it
     if not args.target_layer_ids:
         if not args.include_last_layer:  # speculators' rule, kept: said, not silent
             warn(
@@ -126,7 +121,7 @@ def layer_ids(args: argparse.Namespace, num_hidden_layers: int) -> list[int]:
             )
         return ids
     if len(ids) < 2:  # the trainer takes ids[:-1]; ids[-1] is the verifier's hidden state
-        example = " ".join(map(str, default_layer_ids(n)[:-1]))
+        example = " ".join(map(str, default_layer_ids(num_hidden_layers)[:-1]))
         raise LaunchError(
             f"--target-layer-ids {' '.join(map(str, args.target_layer_ids))} leaves the trainer "
             f"no layer: each file's last layer ({ids[-1]}) is the verifier's hidden state and "
@@ -209,9 +204,8 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "launch_vllm.py") -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parse_args(argv, prog)
+        args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     except SystemExit as e:  # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else 2
     try:

@@ -10,8 +10,6 @@ from importlib import metadata
 from vllm_gdn_hs.cli import model_info
 from vllm_gdn_hs.cli.model_info import flat, layer_ids_arg
 
-HELP = argparse.ArgumentDefaultsHelpFormatter
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -31,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=text, description=text, formatter_class=HELP)
+        fmt = argparse.ArgumentDefaultsHelpFormatter
+        return sub.add_parser(name, help=text, description=text, formatter_class=fmt)
 
     doc = add(
         "doctor",
