@@ -7,8 +7,7 @@ import os
 import random
 import sys
 
-# Image/video ids must lie inside the vocabulary for vLLM to load the model.
-_VOCAB = 1024
+# Image/video ids must lie inside the vocabulary (1024) for vLLM to load the model.
 _MM_IDS = dict(
     image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003
 )
@@ -27,7 +26,7 @@ def tiny_hybrid_config(
         for i in range(num_hidden_layers)
     ]
     text = dict(
-        model_type="qwen3_5_text", vocab_size=_VOCAB, hidden_size=hidden_size,
+        model_type="qwen3_5_text", vocab_size=1024, hidden_size=hidden_size,
         intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         linear_num_key_heads=linear_num_key_heads,

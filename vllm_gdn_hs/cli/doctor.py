@@ -60,7 +60,6 @@ def install_checks() -> list[Row]:
 
 
 def model_checks(model: str) -> tuple[list[Row], ModelInfo | None]:
-    """The model's rows and what its config says (None where it cannot be read)."""
     try:
         info = read_model_info(model)
     except ModelConfigError as e:
@@ -176,9 +175,7 @@ def iter_checks(
     if mooncake_master:
         yield mooncake_checks(mooncake_master)
     failed = {item for item, _, problem in packages if problem}
-    needs = None
-    if failed:
-        needs = "a supported vllm" if "vllm" in failed else "the installed packages"
+    needs = "a supported vllm" if "vllm" in failed else "the installed packages" if failed else None
     yield load_checks(load, needs)
 
 

@@ -31,8 +31,7 @@ def write_speed(folder: str, nbytes: int = PROBE_BYTES) -> float:
     t0 = time.perf_counter()
     try:
         with open(path, "wb") as f:
-            for _ in range(blocks):
-                f.write(block)
+            f.writelines([block] * blocks)
             f.flush()
             os.fsync(f.fileno())
         return blocks * len(block) / (time.perf_counter() - t0)
