@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import math
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictBool,
-    ValidationError,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, Field, StrictBool, ValidationError, model_validator
 
 from vllm_gdn_hs.names import CONNECTOR_NAME
 from vllm_gdn_hs.storage.base import StorageOptions
 from vllm_gdn_hs.storage.mooncake_options import MooncakeOptions
 
 
-class HiddenStatesConfig(BaseModel):
+class HiddenStatesConfig(BaseModel, extra="forbid"):
     """The connector's options, each explained in docs/options.md."""
-
-    model_config = ConfigDict(extra="forbid")
 
     shared_storage_path: str = "/tmp/hidden_states"
     layer_ids: list[int] = Field(default_factory=list)
@@ -51,11 +41,9 @@ class HiddenStatesConfig(BaseModel):
         return self
 
 
-class RequestParams(BaseModel):
+class RequestParams(BaseModel, extra="ignore"):
     """The per-request ``kv_transfer_params`` the connector reads, from the network: checked
     before anything uses them; other connectors' keys are left alone."""
-
-    model_config = ConfigDict(extra="ignore")
 
     hidden_states_path: str | None = Field(None, max_length=4096)
     include_output_tokens: StrictBool = False

@@ -9,8 +9,6 @@ CONNECTOR_MODULE = "vllm_gdn_hs.connector"
 
 
 class ConnectorLogger(logging.LoggerAdapter):
-    """Each line starts with the connector's name."""
-
     def process(self, msg, kwargs):
         return f"{CONNECTOR_NAME}: {msg}", kwargs
 

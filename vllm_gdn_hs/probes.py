@@ -33,7 +33,6 @@ def check_storage_path(path: str, make: bool = True) -> str | None:
 
 
 def _probe(folder: str, make: bool) -> str | None:
-    """Make ``folder`` (with ``make``) and a file in it, then remove the file."""
     probe = os.path.join(folder, f".write-probe-{os.getpid()}")
     try:
         if make:

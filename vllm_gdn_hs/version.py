@@ -129,7 +129,6 @@ def install_command(release: str) -> str:
 
 
 def is_untested(version: str | Version | None = None) -> bool:
-    """Whether this release (default: installed) is newer than every release in RELEASES."""
     return Version(release(None if version is None else str(version))) > Version(RELEASES[-1])
 
 

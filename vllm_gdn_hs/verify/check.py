@@ -11,9 +11,10 @@ import stat
 import sys
 import time
 from collections import Counter, defaultdict
+from contextlib import closing
 from typing import Any
 
-from vllm_gdn_hs.files import SUFFIX, is_temp, layout, read_header
+from vllm_gdn_hs.files import SUFFIX, hidden_states_of, is_temp, layout, read_header
 from vllm_gdn_hs.locks import LOCK_SUFFIX, lock_held
 
 # What can be wrong with a request, as reported (one line per kind, every path in --list).
@@ -39,20 +40,18 @@ def _stale_temp(path: str, pid: int, now: float) -> str | None:
         age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
         return None  # renamed into place meanwhile
-    if age < TEMP_AGE_S or (pid and _pid_alive(pid)):
+    if age < TEMP_AGE_S:
         return None
+    if pid:
+        try:
+            os.kill(pid, 0)
+            return None  # alive
+        except PermissionError:  # alive, another user's
+            return None
+        except ProcessLookupError:
+            pass
     who = f"process {pid} not running on this host" if pid else "a safetensors temp file"
     return f"untouched for {age / 60:.0f} min, {who}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
@@ -82,7 +81,6 @@ def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
         if rows:
             from safetensors.torch import load_file
 
-            from vllm_gdn_hs.files import hidden_states_of
             from vllm_gdn_hs.rows import check_rows
 
             if why := check_rows(hidden_states_of(load_file(path))):
@@ -111,9 +109,8 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         files, locks = set(), set()
         for name in names:
             path = os.path.join(folder, name)
-            ours = name.endswith(SUFFIX) or name.endswith(SUFFIX + LOCK_SUFFIX)
             pid = is_temp(name)
-            if not ours and pid is None:
+            if pid is None and not name.endswith((SUFFIX, SUFFIX + LOCK_SUFFIX)):
                 continue
             try:
                 mode = os.lstat(path).st_mode
@@ -142,10 +139,7 @@ def scan(root: str, rows: bool = False, progress_s: float = 10.0) -> dict:
         usual = out["layouts"].most_common(1)[0][0]
         for lay, paths in paths_by_layout.items():
             if lay != usual:
-                why = (
-                    f"{lay[0]} layers x {lay[1]} {lay[2]}, the folder's others "
-                    f"{usual[0]} x {usual[1]} {usual[2]}"
-                )
+                why = "{} layers x {} {}, the folder's others {} x {} {}".format(*lay, *usual)
                 out["problems"][LAYOUT] += [(p, why) for p in paths]
     out["complete_paths"] = sorted(p for paths in paths_by_layout.values() for p in paths)
     return out
@@ -205,7 +199,6 @@ def run_spot_check(
     weights): 0 within the bar; 1: a file or the pooled sample is not; 2: bad input."""
     from safetensors import safe_open
 
-    from vllm_gdn_hs.files import hidden_states_of
     from vllm_gdn_hs.verify.reference import HFReference, describe_pooled, worst_by_layer
 
     chosen = sample(complete_paths, files)
@@ -233,8 +226,7 @@ def run_spot_check(
         f"minutes for a large model on the CPU), layers {layer_ids}",
         flush=True,
     )
-    ref = HFReference(model, layer_ids, device=device, max_cached=len(data))
-    try:
+    with closing(HFReference(model, layer_ids, device=device, max_cached=len(data))) as ref:
         try:
             ref.precompute([d["token_ids"].tolist() for d in data.values()])
         except (OSError, ValueError) as e:  # no weights, or not this model's
@@ -250,8 +242,6 @@ def run_spot_check(
             )
             bad += bool(result["problems"])
         pooled = ref.pooled()
-    finally:
-        ref.close()
     print(describe_pooled(pooled))
     if bad or pooled["problems"]:
         for line in pooled["problems"]:

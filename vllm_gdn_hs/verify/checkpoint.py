@@ -44,21 +44,6 @@ def save_random_checkpoint(path: str, config: dict, seed: int = 0) -> str:
     return path
 
 
-def checkpoint_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(
-            f"{path}: no model.safetensors or model.safetensors.index.json; pass the folder "
-            "of a HF checkpoint in safetensors"
-        )
-    return [single]
-
-
 def load_text_model(path: str, device: str = "cuda", dtype=None):
     """The HF causal LM of a model folder (a multimodal one's language model) in ``dtype``
     (default bf16; fp32 upcasts the same weights)."""
@@ -69,13 +54,24 @@ def load_text_model(path: str, device: str = "cuda", dtype=None):
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     model = text_model(config).to(dtype)  # built in fp32: 4 bytes per parameter at peak
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json; pass the folder "
+            "of a HF checkpoint in safetensors"
+        )
     new, old = _MM_PREFIX
     # A weight is missing if none of its names was loaded (tied embeddings: one name saved).
     names: dict[int, set[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         names.setdefault(id(tensor), set()).add(name)
     loaded = set()
-    for shard in checkpoint_files(path):
+    for shard in (os.path.join(path, s) for s in shards):
         state = {
             (new + k[len(old) :] if "vision_config" in config and k.startswith(old) else k): v
             for k, v in load_file(shard).items()

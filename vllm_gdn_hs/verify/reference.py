@@ -24,18 +24,6 @@ GROSS_FACTOR = 3.0  # a bug that moves rows is off by ~1, bf16 noise by ~1x bf16
 MIN_HF_ERROR = 1e-3
 
 
-def _decoder_layers(model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and len(module) == num_layers
-            and name.endswith("layers")
-            and "visual" not in name
-        ):
-            return module
-    raise ValueError(f"no decoder layer list of length {num_layers} in {type(model).__name__}")
-
-
 @contextmanager
 def _no_tf32():
     """fp32 means fp32: TF32 moves the reference by a noticeable part of bf16's error."""
@@ -54,7 +42,17 @@ def hf_hidden_states(
 ) -> list[torch.Tensor]:
     """[T, L, H] on the CPU for each prompt, layers in the given order. Prompts of one length
     share a pass of up to ``batch_tokens`` tokens (no padding; 0: one prompt a pass)."""
-    layers = _decoder_layers(model, model.config.get_text_config().num_hidden_layers)
+    num_layers = model.config.get_text_config().num_hidden_layers
+    for name, layers in model.named_modules():
+        if (
+            isinstance(layers, torch.nn.ModuleList)
+            and len(layers) == num_layers
+            and name.endswith("layers")
+            and "visual" not in name
+        ):
+            break
+    else:
+        raise ValueError(f"no decoder layer list of length {num_layers} in {type(model).__name__}")
     captured: dict[torch.nn.Module, torch.Tensor] = {}
 
     def hook(module, _inputs, output):
@@ -103,22 +101,18 @@ def file_problems(data: dict, prompt: list[int], num_layers: int, hidden: int) -
 
 
 def within_bar(
-    ours: torch.Tensor,
-    ref32: torch.Tensor,
-    ref16: torch.Tensor,
-    layer_ids: list[int] | None = None,
-    factor: float = GROSS_FACTOR,
+    ours: torch.Tensor, ref32: torch.Tensor, ref16: torch.Tensor, layer_ids: list[int] | None = None
 ) -> tuple[list[float], list[float], list[str]]:
     """Per layer, the errors of ours and HF bf16 against HF fp32, and a line for each layer
-    over ``factor`` x HF bf16's error."""
+    over ``GROSS_FACTOR`` x HF bf16's error."""
     if not ours.shape == ref32.shape == ref16.shape:
         raise ValueError(f"shapes differ: {ours.shape}, {ref32.shape}, {ref16.shape}")
     got, hf = relative_errors(ours, ref32), relative_errors(ref16, ref32)
     names = layer_ids if layer_ids is not None else range(len(got))
-    bars = [factor * max(h, MIN_HF_ERROR) for h in hf]
+    bars = [GROSS_FACTOR * max(h, MIN_HF_ERROR) for h in hf]
     failing = [
         f"layer {i}: error {g:.4f} vs HF fp32 over the per-file bound {b:.4f} "
-        f"({factor} x HF bf16's)"
+        f"({GROSS_FACTOR} x HF bf16's)"
         for i, g, b in zip(names, got, bars, strict=True)
         if not g <= b  # NaN fails too
     ]
@@ -202,17 +196,16 @@ class HFReference:
         if not keys:
             return
         self._make_room(len(keys))
-        refs: dict[tuple[int, ...], list] = {k: [] for k in keys}
+        prompts = [list(k) for k in keys]
+        states = []  # per dtype, [T, L, H] per prompt
         for dtype in (torch.float32, torch.bfloat16):
-            states = hf_hidden_states(
-                self.model(dtype), [list(k) for k in keys], self.layer_ids, self.batch_tokens
+            states.append(
+                hf_hidden_states(self.model(dtype), prompts, self.layer_ids, self.batch_tokens)
             )
-            for key, hs in zip(keys, states, strict=True):
-                refs[key].append(hs)
             del self._models[dtype]
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        self._cache.update((key, tuple(pair)) for key, pair in refs.items())
+        self._cache.update(zip(keys, zip(*states, strict=True), strict=True))
 
     def check(self, data: dict, seq: list[int]) -> dict:
         """One file against its tokens: ``problems``, and per layer the errors of ``ours`` and
