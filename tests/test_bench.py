@@ -122,9 +122,11 @@ def test_main_records_how_far_a_cut_variant_got(tmp_path, monkeypatch):
     assert bench.main([*argv, "--budget", "300"]) == 0
     assert bench.main(argv) == 0
     cut, crashed = records.load_records(str(results))
-    assert round(calls[0]) == 280  # the --budget less 20 s to stop
+    # the --budget less 20 s to stop, less what building the tiny model took on this machine
+    assert 260 < calls[0] <= 280
     assert re.fullmatch(
-        r"cut off by --budget after 280 s \(not a fault: time ran out\); engine ready after 0 s; "
+        rf"cut off by --budget after {calls[0]:.0f} s \(not a fault: time ran out\); "
+        r"engine ready after 0 s; "
         r"4x64 not done after 0 s of generating: under [\d,]+ tok/s",
         cut["error"],
     ), cut["error"]
