@@ -206,7 +206,11 @@ def test_a_killed_process_leaves_check_exactly_the_lost_files(tmp_path):
     complete = set(out["complete_paths"])
     lost = {path for path, _ in out["problems"].get(check.LOST, [])}
     assert set(out["problems"]) <= {check.LOST, check.TEMP}, dict(out["problems"])
-    assert lost and lost == {lock_of(p) for p in set(answered) - complete}, lost
+    expected = {lock_of(p) for p in set(answered) - complete}
+    # the request after the last answered one may hold its lock when the kill lands, unanswered:
+    # named too (to send again, harmlessly), and no other
+    next_lock = lock_of(files.request_path(str(folder), f"req-{len(answered)}"))
+    assert expected and expected <= lost <= expected | {next_lock}, (lost, expected)
     for path in complete:
         assert load_file(path)["hidden_states"].shape[0] > 0
 
