@@ -45,10 +45,7 @@ class HybridHiddenStatesConnectorWorker:
         self.storage = storage_for(cfg)
         self.storage.open_worker_side()
         self.writer = Writer(cfg, self.storage, self.book, num_layers, self._warn_once)
-        stored = self.ring.hidden_states.dtype  # fp8: float8_e4m3fn
-        self.drain = Drain(
-            self.writer, self.storage, self.book, num_layers, hidden, stored, cfg.fp8
-        )
+        self.drain = Drain(self.writer, hidden, self.ring.hidden_states.dtype)
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
@@ -73,7 +70,6 @@ class HybridHiddenStatesConnectorWorker:
         self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
 
     def take(self, num_tokens: int) -> HostSlot:
-        """A slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
         slot, waited = self.ring.take(num_tokens)
         self._taken = (waited, time.perf_counter() - t0)
@@ -152,8 +148,7 @@ class HybridHiddenStatesConnectorWorker:
             unfinished = self.drain.abandon_unfinished()
             self.storage.close(deadline)  # a store's readers may read until then
         self.book.add(unfinished=len(unfinished))
-        line = self.stats.shutdown_line(unfinished, self.storage.unit)
-        logger.info("%s", line)
+        logger.info("%s", self.stats.shutdown_line(unfinished, self.storage.unit))
 
 
 @contextlib.contextmanager
