@@ -15,10 +15,10 @@ import torch
 from vllm_gdn_hs.connector.metadata import FinishedRequest, NewRequest
 from vllm_gdn_hs.connector.request_rows import PENDING_ROWS, SHORT_RUN, RequestRows, host_view
 from vllm_gdn_hs.connector.staging import HostSlot
-from vllm_gdn_hs.connector.stats import failed
+from vllm_gdn_hs.connector.stats import StatsBook, failed
 from vllm_gdn_hs.connector.writer import WriteJob, Writer, next_task
 from vllm_gdn_hs.names import init_logger
-from vllm_gdn_hs.storage.base import StoredRequest
+from vllm_gdn_hs.storage.base import HiddenStatesStorage, StoredRequest
 
 logger = init_logger(__name__)
 
@@ -43,12 +43,21 @@ class ActiveRequest:
 
 
 class Drain:
-    def __init__(self, writer: Writer, hidden: int, dtype: torch.dtype):
-        """Rows of the writer's layers x ``hidden`` values in ``dtype`` (as stored: float8_e4m3fn
-        with fp8), each request started in its storage and handed to ``writer`` finished."""
-        self.writer, self.storage, self.book = writer, writer.storage, writer.book
-        self.num_layers, self.hidden, self.dtype = writer.num_layers, hidden, dtype
-        self.norms_width = writer.num_layers + writer.cfg.fp8  # fp8: each row's scale too
+    def __init__(
+        self,
+        writer: Writer,
+        storage: HiddenStatesStorage,
+        book: StatsBook,
+        num_layers: int,
+        hidden: int,
+        dtype: torch.dtype,
+        fp8: bool,
+    ):
+        """Rows of ``num_layers`` x ``hidden`` values in ``dtype`` (as stored: float8_e4m3fn
+        with ``fp8``), each request started in ``storage`` and handed to ``writer`` finished."""
+        self.writer, self.storage, self.book = writer, storage, book
+        self.num_layers, self.hidden, self.dtype = num_layers, hidden, dtype
+        self.norms_width = num_layers + fp8  # fp8: each row's scale too
         self.requests: dict[str, ActiveRequest] = {}
         self.created = 0  # request buffers made, to stagger their flushes
         self.deferring: set[RequestRows] = set()  # buffers holding rows of step blocks

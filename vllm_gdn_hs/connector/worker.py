@@ -45,7 +45,10 @@ class HybridHiddenStatesConnectorWorker:
         self.storage = storage_for(cfg)
         self.storage.open_worker_side()
         self.writer = Writer(cfg, self.storage, self.book, num_layers, self._warn_once)
-        self.drain = Drain(self.writer, hidden, self.ring.hidden_states.dtype)
+        stored = self.ring.hidden_states.dtype  # fp8: float8_e4m3fn
+        self.drain = Drain(
+            self.writer, self.storage, self.book, num_layers, hidden, stored, cfg.fp8
+        )
         self.logged = (time.monotonic(), 0, 0)  # (when, files, bytes) at the last progress line
         self.log_lock = threading.Lock()
         self.closed = False
