@@ -144,7 +144,6 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRow
 
     # -- scheduler side ---------------------------------------------------------------
     def shutdown_drain(self) -> HybridHiddenStatesConnectorScheduler | None:
-        """The scheduler side, which the shutdown patch drains (hook.DrainsAtShutdown)."""
         return self._scheduler
 
     def _sched(self) -> HybridHiddenStatesConnectorScheduler:

@@ -67,7 +67,6 @@ class Drain:
 
     # -- engine thread ----------------------------------------------------------------
     def start_request(self, req: NewRequest) -> None:
-        """A request's first step: its place in the storage (lock) and its rows."""
         if req.req_id in self.requests:
             return  # listed as new again (resumed): its rows so far are kept
         flush_rows = PENDING_ROWS + self.created % PENDING_ROWS
@@ -108,8 +107,7 @@ class Drain:
                         case threading.Event():
                             task.set()
                 except Exception:
-                    name = type(task).__name__
-                    logger.exception("hidden-state drain task %s failed", name)
+                    logger.exception("hidden-state drain task %s failed", type(task).__name__)
         finally:
             self.writer.producer_done.set()  # the writer's last producer is gone
 

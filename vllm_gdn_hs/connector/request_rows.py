@@ -42,7 +42,6 @@ class RequestRows:
         self._rows, self._norms = host_view(self.rows), host_view(self.norms)
 
     def defer(self, rows: np.ndarray, norms: np.ndarray, i: int, position: int) -> None:
-        """Row i of a step's block of short-run rows, for this position."""
         self.pending.append((rows, norms, i, position))
         if len(self.pending) >= self.flush_rows:
             self.flush()

@@ -107,7 +107,6 @@ class StatsBook:
 
 
 def failed(book: StatsBook, req_id: str, why: str, counter: str = "failed") -> None:
-    """One request got no hidden states: logged once with its id, and counted."""
     logger.error("request %r: no hidden-states file: %s", req_id, why)
     book.add(**{counter: 1})
 

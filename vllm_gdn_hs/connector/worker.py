@@ -73,7 +73,6 @@ class HybridHiddenStatesConnectorWorker:
         self._queue(slot, req_ids, query_start_loc_cpu, waited, t0)
 
     def take(self, num_tokens: int) -> HostSlot:
-        """A slot, which the runner fills a layer at a time during the forward pass."""
         t0 = time.perf_counter()
         slot, waited = self.ring.take(num_tokens)
         self._taken = (waited, time.perf_counter() - t0)
@@ -152,8 +151,7 @@ class HybridHiddenStatesConnectorWorker:
             unfinished = self.drain.abandon_unfinished()
             self.storage.close(deadline)  # a store's readers may read until then
         self.book.add(unfinished=len(unfinished))
-        line = self.stats.shutdown_line(unfinished, self.storage.unit)
-        logger.info("%s", line)
+        logger.info("%s", self.stats.shutdown_line(unfinished, self.storage.unit))
 
 
 @contextlib.contextmanager
