@@ -29,10 +29,8 @@ def patches_for(vllm: str | None = None) -> tuple[str, ...]:
         vllm = version.RELEASES[-1]
     if vllm not in version.RELEASES:
         return ()
-    runners = ((V1_RUNNER_PATCH,) if version.has_v1_runner(vllm) else ()) + (
-        (MODEL_RUNNER_V2_PATCH,) if version.runs_model_runner_v2(vllm) else ()
-    )
-    return PATCHES + runners
+    v1 = (V1_RUNNER_PATCH,) if version.has_v1_runner(vllm) else ()
+    return PATCHES + v1 + ((MODEL_RUNNER_V2_PATCH,) if version.runs_model_runner_v2(vllm) else ())
 
 
 @dataclass

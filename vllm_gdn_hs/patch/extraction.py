@@ -66,8 +66,7 @@ def set_up_extraction(self, vllm_config) -> None:
 
 
 def init_and_profile_run(runner: Any) -> dict:
-    """Both runners' ``__init__`` and ``profile_run``, wrapping ``runner``'s: after vLLM's
-    ``__init__``, :func:`set_up_extraction`; after its ``profile_run``, :func:`profile_step`."""
+    """Both runners' ``__init__`` and ``profile_run``, wrapping ``runner``'s."""
     orig_init, orig_profile_run = runner.__init__, runner.profile_run
 
     def __init__(self, vllm_config, device) -> None:
@@ -229,10 +228,7 @@ def install_sink(self) -> None:
         )
         return
     sink = ours.sink = LayerSink(
-        ours.order,
-        self.model_config.get_hidden_size(),
-        self.model_config.dtype,
-        self.device,
+        ours.order, self.model_config.get_hidden_size(), self.model_config.dtype, self.device
     )
     original = holder._maybe_add_hidden_state  # vLLM's, bound to the model
 

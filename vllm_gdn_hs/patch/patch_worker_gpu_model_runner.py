@@ -39,9 +39,7 @@ _MODEL_FORWARD_ARGS = inspect.signature(_orig_model_forward)
 
 def _get_eagle3_aux_layers_from_config(self):
     ours = extraction(self)
-    if ours is not None:
-        return tuple(ours.layer_ids)
-    return _orig_aux_layers(self)
+    return _orig_aux_layers(self) if ours is None else tuple(ours.layer_ids)
 
 
 def _model_forward(self, *args, **kwargs):

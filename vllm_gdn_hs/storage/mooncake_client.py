@@ -254,8 +254,7 @@ class MooncakeStore:
         with contextlib.suppress(Exception):
             self.client.remove(self.unread_objects.marker, True)
         self._close_client()
-        log = logger.error if unread else logger.info
-        log(
+        (logger.error if unread else logger.info)(
             "Mooncake: %d objects (%.2f GB) and %d error objects put; %d objects not read "
             "by a trainer by the end of shutdown_drain_s (their readers fail) and %d objects "
             "in all were removed at shutdown",
@@ -296,7 +295,6 @@ class MooncakeStore:
 
     @staticmethod
     def check(call: str, key: str, rc) -> None:
-        """MooncakeError naming the call and the key unless ``rc`` (Mooncake's return) is 0."""
         if rc != 0:
             hint = " (the master does not answer)" if rc == RPC_FAIL else ""
             raise MooncakeError(f"Mooncake {call} of {key} returned {rc}{hint}")

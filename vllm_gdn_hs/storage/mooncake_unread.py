@@ -32,15 +32,12 @@ class UnreadStore(Protocol):
     closing_at: float | None
 
     def check(self, call: str, key: str, rc: Any) -> None: ...
-
     def put_parts(self, key: str, parts: list[tuple[int, int]]) -> None: ...
-
     def write_error(self, key: str, why: str) -> None: ...
 
 
 class UnreadObjects:
     def __init__(self, store: UnreadStore):
-        """For ``store``, a :class:`~vllm_gdn_hs.storage.mooncake_client.MooncakeStore`."""
         self.store = store
         self.lock = threading.Lock()
         self.sweep = threading.RLock()  # unread() and watch(): one at a time
