@@ -22,6 +22,7 @@
 # Usage (the device call that installs vLLM; see tools/device/session.sh):
 #   bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
 #   STEPS="1 2" bash tools/device/session.sh start tools/gpu_runs/default_path_check.sh
+#   WORKLOADS=128x1024 STEPS=1 ...   the bench alone, one workload (a lease with minutes left)
 #   STEPS="1 2+3+4 5" ...   steps joined by + run at once (the tiny-model suites: each engine
 #               takes 0.3 of the GPU, and their JIT compiles overlap); never join the bench or
 #               e2e, whose speed and KV figures need the GPU alone
@@ -51,7 +52,7 @@ step() {
     1)
         log "bench start"
         python3 benchmarks/bench.py --shape 27b --variants ${VARIANTS:-plain,ours} \
-            --workloads 128x1024,chat \
+            --workloads ${WORKLOADS:-128x1024,chat} \
             --gpu-memory-utilization 0 --max-num-seqs 256 --run default-path --timeout 600 \
             --out-dir /dev/shm/hs-check --log-dir "$R/logs" --model-root /tmp/m27 \
             --results "$R/bench.json" >"$R/logs/bench.txt" 2>&1
