@@ -63,6 +63,7 @@ class HybridHiddenStatesConnectorScheduler:
         self.abort_reason = reason
 
     def abort_params(self, request_id: str) -> dict[str, Any] | None:
+        """An aborted request's response params, once (vLLM's abort output has none)."""
         return self.aborted.pop(request_id, None)
 
     def on_new_request(self, request: Request) -> None:
@@ -76,6 +77,7 @@ class HybridHiddenStatesConnectorScheduler:
             request.kv_transfer_params = None
 
     def on_allocated(self, request: Request) -> None:
+        """A request got KV cache blocks (first allocation: its file is decided)."""
         if request.request_id in self._placed or request.request_id in self._refused:
             return  # not its first allocation
         try:

@@ -30,7 +30,8 @@ def patches_for(vllm: str | None = None) -> tuple[str, ...]:
     if vllm not in version.RELEASES:
         return ()
     v1 = (V1_RUNNER_PATCH,) if version.has_v1_runner(vllm) else ()
-    return PATCHES + v1 + ((MODEL_RUNNER_V2_PATCH,) if version.runs_model_runner_v2(vllm) else ())
+    v2 = (MODEL_RUNNER_V2_PATCH,) if version.runs_model_runner_v2(vllm) else ()
+    return PATCHES + v1 + v2
 
 
 @dataclass

@@ -280,7 +280,11 @@ class MooncakeStore:
 
     def _wait_for_readers(self, until: float | None) -> int:
         """How many objects (error objects aside) no reader took by ``until``."""
-        waiting = [k for k in self.unread_objects.unread() if not k.endswith(ERROR_SUFFIX)]
+
+        def objects() -> list[str]:
+            return [k for k in self.unread_objects.unread() if not k.endswith(ERROR_SUFFIX)]
+
+        waiting = objects()
         if waiting and until is not None and until > time.monotonic():
             logger.info(
                 "waiting up to %.0f s for trainers to read the %d objects still in the "
@@ -290,7 +294,7 @@ class MooncakeStore:
             )
             while waiting and time.monotonic() < until:
                 time.sleep(min(0.2, max(until - time.monotonic(), 0)))
-                waiting = [k for k in self.unread_objects.unread() if not k.endswith(ERROR_SUFFIX)]
+                waiting = objects()
         return len(waiting)
 
     @staticmethod
