@@ -25,7 +25,11 @@
 #   WORKLOADS=128x1024 STEPS=1 ...   the bench alone, one workload (a lease with minutes left)
 #   STEPS="1 2+3+4 5" ...   steps joined by + run at once (the tiny-model suites: each engine
 #               takes 0.3 of the GPU, and their JIT compiles overlap); never join the bench or
-#               e2e, whose speed and KV figures need the GPU alone
+#               e2e, whose speed and KV figures need the GPU alone. Joined, an engine can fail
+#               to start on vLLM's own profiling check (another engine freed memory meanwhile)
+#               and each start is slower (2026-12-08, 2+3+4 on an H100: two shutdown cases and
+#               the demo failed so, and 3.5 min starts cut accuracy and families at their
+#               limits): join only for a lease too short to run them in turn
 #   bash tools/device/session.sh stop   (to start another: it ends this job, and only it)
 set -u
 cd "$(dirname "$0")/../.."
