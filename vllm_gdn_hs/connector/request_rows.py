@@ -93,9 +93,7 @@ class RequestRows:
         if n > len(self.seen):
             return None
         first = self.seen.find(0, 0, n)
-        if first < 0:
-            return []
-        return [q for q in range(first, n) if not self.seen[q]][:5]
+        return [] if first < 0 else [q for q in range(first, n) if not self.seen[q]][:5]
 
 
 def _is_run(positions: list[int]) -> bool:  # consecutive and increasing
