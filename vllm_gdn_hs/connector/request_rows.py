@@ -69,8 +69,6 @@ class RequestRows:
         """Rows and their norms at these token positions (one written again: the later row)."""
         self.flush()  # earlier rows first, so that later ones win
         n = len(positions)
-        if n == 0:
-            return
         start, end = positions[0], positions[-1] + 1
         contiguous = _is_run(positions)
         needed = end if contiguous else max(positions) + 1
