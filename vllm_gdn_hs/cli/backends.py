@@ -115,10 +115,8 @@ class MooncakeLaunch(FileLaunch):
         return {**theirs, "mooncake": ours, **cls.options}
 
 
-class MooncakeFP8Launch(MooncakeLaunch):
+class MooncakeFP8Launch(MooncakeLaunch, FP8Launch):
     """``mooncake`` with fp8 objects; not speculators': trainers run :mod:`.train`."""
-
-    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 BACKENDS: dict[str, type[FileLaunch]] = {
