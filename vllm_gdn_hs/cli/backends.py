@@ -36,7 +36,6 @@ class FileLaunch:
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--hidden-states-path",
-            type=str,
             default="/tmp/hidden_states",
             help="The directory to save hidden states to. Default '/tmp/hidden_states'",
         )
