@@ -116,9 +116,8 @@ def _has_interface(module: str, name: str, seen: set[tuple[str, str]]) -> bool |
 
 def has_aux_outputs(architecture: str) -> bool | None:
     """True or False for an architecture in vLLM's registry; None where that cannot be decided."""
-    if (entry := registered_classes().get(architecture)) is None:
-        return None
-    return _has_interface(*entry, set())
+    entry = registered_classes().get(architecture)
+    return None if entry is None else _has_interface(*entry, set())
 
 
 def aux_outputs_problem(architectures) -> str | None:

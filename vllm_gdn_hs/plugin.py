@@ -1,5 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process it
-starts."""
+"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process."""
 
 from __future__ import annotations
 

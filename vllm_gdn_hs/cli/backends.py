@@ -36,7 +36,6 @@ class FileLaunch:
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--hidden-states-path",
-            type=str,
             default="/tmp/hidden_states",
             help="The directory to save hidden states to. Default '/tmp/hidden_states'",
         )
@@ -115,10 +114,8 @@ class MooncakeLaunch(FileLaunch):
         return {**theirs, "mooncake": ours, **cls.options}
 
 
-class MooncakeFP8Launch(MooncakeLaunch):
+class MooncakeFP8Launch(MooncakeLaunch, FP8Launch):
     """``mooncake`` with fp8 objects; not speculators': trainers run :mod:`.train`."""
-
-    options: ClassVar[dict[str, Any]] = {"fp8": True}
 
 
 BACKENDS: dict[str, type[FileLaunch]] = {

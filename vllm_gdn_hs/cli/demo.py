@@ -7,11 +7,6 @@ import os
 import random
 import sys
 
-# Image/video ids must lie inside the vocabulary (1024) for vLLM to load the model.
-_MM_IDS = dict(
-    image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003
-)
-
 
 def tiny_hybrid_config(
     num_hidden_layers: int = 8,
@@ -52,7 +47,11 @@ def tiny_hybrid_config(
         vision_config=vision,
         tie_word_embeddings=False,
         dtype="bfloat16",
-        **_MM_IDS,
+        # Image/video ids must lie inside the vocabulary (1024) for vLLM to load the model.
+        image_token_id=1000,
+        video_token_id=1001,
+        vision_start_token_id=1002,
+        vision_end_token_id=1003,
     )
 
 

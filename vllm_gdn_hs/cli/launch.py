@@ -37,7 +37,7 @@ def make_parser(prog: str = "launch_vllm.py", mooncake: bool = True) -> argparse
         + ("" if mooncake else f" The mooncake backends' options: {prog} MODEL "
            "--hidden-states-backend mooncake --help."),
     )  # fmt: skip
-    parser.add_argument("model", type=str, help="Model name or path to extract hidden states from")
+    parser.add_argument("model", help="Model name or path to extract hidden states from")
     parser.add_argument(
         "--hidden-states-backend",
         default="file",

@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "Write a supported model's config.json into a folder, without network: enough for "
         "launch --dry-run and doctor on a machine that cannot reach the HF hub.",
     )
-    cfg.add_argument(
-        "model", choices=sorted(model_info.PACKAGED_CONFIGS), help="the model's hub id"
-    )
+    cfg.add_argument("model", choices=model_info.PACKAGED_CONFIGS, help="the model's hub id")
     cfg.add_argument("dir", help="the folder to write config.json into (made if missing)")
     sub.add_parser(
         "launch",

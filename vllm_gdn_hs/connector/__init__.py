@@ -28,10 +28,6 @@ from vllm_gdn_hs.hook import RowSlot, TakesLayerRows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-        KVConnectorPromMetrics,
-        KVConnectorStats,
-    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -122,12 +118,14 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRow
             self._worker.close()
             self._worker = None
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+    def get_kv_connector_stats(self) -> HiddenStatesKVConnectorStats | None:
         data = self._worker.interval_stats() if self._worker is not None else None
         return HiddenStatesKVConnectorStats(data=data) if data else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiddenStatesKVConnectorStats:
         return HiddenStatesKVConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -137,7 +135,7 @@ class HybridHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA, TakesLayerRow
         metric_types: dict[type, type],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics | None:
+    ) -> HiddenStatesPromMetrics | None:
         return HiddenStatesPromMetrics(
             vllm_config, metric_types, labelnames, per_engine_labelvalues
         )

@@ -69,8 +69,6 @@ class RequestRows:
         """Rows and their norms at these token positions (one written again: the later row)."""
         self.flush()  # earlier rows first, so that later ones win
         n = len(positions)
-        if n == 0:
-            return
         start, end = positions[0], positions[-1] + 1
         contiguous = _is_run(positions)
         needed = end if contiguous else max(positions) + 1
@@ -93,9 +91,7 @@ class RequestRows:
         if n > len(self.seen):
             return None
         first = self.seen.find(0, 0, n)
-        if first < 0:
-            return []
-        return [q for q in range(first, n) if not self.seen[q]][:5]
+        return [] if first < 0 else [q for q in range(first, n) if not self.seen[q]][:5]
 
 
 def _is_run(positions: list[int]) -> bool:  # consecutive and increasing

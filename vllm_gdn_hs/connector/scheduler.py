@@ -68,10 +68,9 @@ class HybridHiddenStatesConnectorScheduler:
 
     def on_new_request(self, request: Request) -> None:
         """vLLM 0.33.0 reads the params as a dict itself: others are refused and dropped now."""
-        params = request.kv_transfer_params
-        if params is not None and not isinstance(params, dict):
+        if not isinstance(request.kv_transfer_params, dict | None):
             try:
-                request_params(params)
+                request_params(request.kv_transfer_params)
             except Exception as e:
                 self._refuse(request.request_id, str(e))
             request.kv_transfer_params = None

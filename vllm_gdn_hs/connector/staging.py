@@ -172,12 +172,10 @@ class HostRing:
                 self.live.popleft()
             self.room.notify_all()
 
-    def copy_out(
-        self, hidden_states: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[HostSlot, float]:
+    def copy_out(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[HostSlot, float]:
         """Start copying one step's rows, norms and positions into the ring (as :meth:`take`)."""
-        slot, waited = self.take(hidden_states.shape[0])
-        rows, norms = rows_and_norms(hidden_states, self.fp8)
-        pairs = [(slot.hidden_states, rows), (slot.norms, norms), (slot.positions, positions)]
-        _side_copy(self.stream, pairs, slot.copied, keep=(hidden_states,))
+        slot, waited = self.take(rows.shape[0])
+        stored, norms = rows_and_norms(rows, self.fp8)  # fp8: quantized
+        pairs = [(slot.hidden_states, stored), (slot.norms, norms), (slot.positions, positions)]
+        _side_copy(self.stream, pairs, slot.copied, keep=(rows,))
         return slot, waited

@@ -95,9 +95,8 @@ class StatsBook:
         with self.lock:
             return dataclasses.replace(self._stats)
 
-    def interval(self, gauges: Mapping[str, float] | None = None) -> dict[str, float]:
+    def interval(self, gauges: Mapping[str, float]) -> dict[str, float]:
         """The counters' change since the last call, and the ``gauges`` that changed."""
-        gauges = gauges or {}
         with self.lock:
             now = self._stats.counters()
             delta = {k: v - self._reported[k] for k, v in now.items() if v != self._reported[k]}

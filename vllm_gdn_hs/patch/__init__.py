@@ -13,11 +13,7 @@ from vllm_gdn_hs import version
 from vllm_gdn_hs.names import init_logger
 
 # In the order they apply, then the patch of each runner that carries extraction (version.py).
-PATCHES: tuple[str, ...] = (
-    "patch_config_vllm",
-    "patch_config_kv_transfer",
-    "patch_engine_arg_utils",
-)
+PATCHES = ("patch_config_vllm", "patch_config_kv_transfer", "patch_engine_arg_utils")
 V1_RUNNER_PATCH = "patch_worker_gpu_model_runner"
 MODEL_RUNNER_V2_PATCH = "patch_worker_gpu_model_runner_v2"
 

@@ -15,13 +15,8 @@ from typing import Any, cast
 
 import torch
 
+from vllm_gdn_hs import hook
 from vllm_gdn_hs.config import config_from, configured_layer_ids, is_ours
-from vllm_gdn_hs.hook import (
-    TakesHiddenStates,
-    TakesLayerRows,
-    hidden_states_connector,
-    hidden_states_connector_class,
-)
 from vllm_gdn_hs.names import init_logger
 from vllm_gdn_hs.rows import CHUNK_TOKENS, row_norms
 
@@ -42,9 +37,9 @@ class Extraction:
 
     layer_ids: list[int]
     order: list[int]  # layer_order(layer_ids)
-    connector_class: type[TakesHiddenStates]  # checked at startup
+    connector_class: type[hook.TakesHiddenStates]  # checked at startup
     sink: LayerSink | None = None  # install_sink's, Model Runner V2 only
-    connector: TakesHiddenStates | None = None  # the first step's (made after profiling)
+    connector: hook.TakesHiddenStates | None = None  # the first step's (made after profiling)
 
 
 def extraction(runner) -> Extraction | None:
@@ -60,7 +55,7 @@ def set_up_extraction(self, vllm_config) -> None:
     ours = None
     if ids:
         # At startup, not at the first step: the configured connector must take the rows.
-        ours = Extraction(ids, layer_order(ids), hidden_states_connector_class(vllm_config))
+        ours = Extraction(ids, layer_order(ids), hook.hidden_states_connector_class(vllm_config))
         self.use_aux_hidden_state_outputs = True
     setattr(self, RUNNER_ATTR, ours)
 
@@ -112,11 +107,11 @@ def graph_aux_buffers(self) -> list[torch.Tensor]:
     return list(torch.empty(shape, dtype=self.model_config.dtype, device=self.device).unbind(0))
 
 
-def _connector(ours: Extraction) -> TakesHiddenStates:
+def _connector(ours: Extraction) -> hook.TakesHiddenStates:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     if ours.connector is None:  # made after profiling
-        ours.connector = hidden_states_connector(get_kv_transfer_group())
+        ours.connector = hook.hidden_states_connector(get_kv_transfer_group())
     return ours.connector
 
 
@@ -135,7 +130,7 @@ def hand_over(self, aux_hidden_states, req_ids, query_start_loc_cpu, positions) 
         sink.slot = sink.norms = None
         if sink.taken != len(ours.order):
             raise RuntimeError(f"the model made {sink.taken} aux states in an eager step")
-        cast(TakesLayerRows, connector).save_taken_rows(
+        cast(hook.TakesLayerRows, connector).save_taken_rows(
             slot, req_ids, query_start_loc_cpu, norms, positions[:num_tokens].clone()
         )
         return
@@ -215,7 +210,7 @@ def install_sink(self) -> None:
     cfg = config_from(self.vllm_config)
     if (
         getattr(holder, "use_sequence_parallel", False)
-        or not issubclass(ours.connector_class, TakesLayerRows)
+        or not issubclass(ours.connector_class, hook.TakesLayerRows)
         or not cfg.layer_by_layer
         or cfg.fp8
     ):
@@ -270,7 +265,7 @@ def sink_open(self, num_tokens: int, dummy_run: bool):
 
     slot = None
     if not dummy_run and has_kv_transfer_group():  # off in vLLM's warm-up and dummy runs
-        slot = cast(TakesLayerRows, _connector(ours)).take_rows(num_tokens)
+        slot = cast(hook.TakesLayerRows, _connector(ours)).take_rows(num_tokens)
     sink.start(num_tokens, slot)
     try:
         yield

@@ -60,20 +60,15 @@ def _model_forward(self, *args, **kwargs):
 def _determine_batch_execution_and_padding(self, *args, **kwargs):
     if extraction(self) is not None:
         call = _BATCH_EXECUTION_ARGS.bind(self, *args, **kwargs).arguments
-        # Dummy runs (profiling, CUDA graph capture) say force_uniform_decode themselves.
-        if "force_uniform_decode" not in call and starts_a_prompt_in_one_token_steps(
-            self, call["num_reqs"], call["max_num_scheduled_tokens"]
+        # Dummy runs (profiling, CUDA graph capture) say force_uniform_decode themselves. A step
+        # of one token per request is not a uniform decode batch if one of them starts its prompt.
+        if (
+            "force_uniform_decode" not in call
+            and call["max_num_scheduled_tokens"] == self.uniform_decode_query_len
+            and (self.input_batch.num_computed_tokens_cpu[: call["num_reqs"]] == 0).any()
         ):
             kwargs["force_uniform_decode"] = False
     return _orig_batch_execution(self, *args, **kwargs)
-
-
-def starts_a_prompt_in_one_token_steps(self, num_reqs: int, max_num_scheduled_tokens: int) -> bool:
-    """Whether every request of the step has one token scheduled and one of them starts
-    its prompt (no token computed yet): vLLM would call it a uniform decode batch."""
-    if max_num_scheduled_tokens != self.uniform_decode_query_len:
-        return False
-    return bool((self.input_batch.num_computed_tokens_cpu[:num_reqs] == 0).any())
 
 
 PATCH = Patch(

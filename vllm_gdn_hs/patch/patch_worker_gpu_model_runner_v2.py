@@ -83,9 +83,8 @@ def capture_model(self, *args, **kwargs):
 
 
 def execute_model(self, scheduler_output, *args, **kwargs):
-    dummy_run = _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments.get(
-        "dummy_run", False
-    )
+    call = _EXECUTE_MODEL_ARGS.bind(self, scheduler_output, *args, **kwargs).arguments
+    dummy_run = call.get("dummy_run", False)
     with sink_open(self, scheduler_output.total_num_scheduled_tokens, dummy_run):
         output = _orig_execute_model(self, scheduler_output, *args, **kwargs)
     if (
