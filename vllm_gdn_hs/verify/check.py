@@ -40,18 +40,20 @@ def _stale_temp(path: str, pid: int, now: float) -> str | None:
         age = now - os.lstat(path).st_mtime
     except FileNotFoundError:
         return None  # renamed into place meanwhile
-    if age < TEMP_AGE_S:
+    if age < TEMP_AGE_S or (pid and _pid_alive(pid)):
         return None
-    if pid:
-        try:
-            os.kill(pid, 0)
-            return None  # alive
-        except PermissionError:  # alive, another user's
-            return None
-        except ProcessLookupError:
-            pass
     who = f"process {pid} not running on this host" if pid else "a safetensors temp file"
     return f"untouched for {age / 60:.0f} min, {who}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
 
 
 def _request(out: dict, path: str, has_lock: bool, rows: bool) -> tuple | None:
