@@ -28,7 +28,7 @@
 #               e2e, whose speed and KV figures need the GPU alone. Joined, an engine can fail
 #               to start on vLLM's own profiling check (another engine freed memory meanwhile)
 #               and each start is slower (2026-12-08, 2+3+4 on an H100: two shutdown cases and
-#               the demo failed so, and 3.5 min starts cut accuracy and families at their
+#               the demo failed so, and slow starts cut accuracy and families at their
 #               limits): join only for a lease too short to run them in turn
 #   bash tools/device/session.sh stop   (to start another: it ends this job, and only it)
 set -u
